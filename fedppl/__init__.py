@@ -1,0 +1,19 @@
+"""fedppl: federated Bayesian inference as NumPyro effect handlers and guides.
+
+Example::
+
+    >>> import fedppl
+    >>> from fedppl.guides import PVIGuide
+    >>> clients = fedppl.partition.homogeneous(X, y, num_clients=10, seed=0)
+    >>> result = fedppl.PVI(model, PVIGuide(model)).run(jax.random.key(0), clients, num_rounds=10)
+"""
+
+from fedppl import families, handlers, partition
+from fedppl.clients import Clients
+from fedppl.guides import PVIGuide
+from fedppl.infer import PVI, GlobalVI, PVIResult
+
+__version__ = "0.1.0"
+
+__all__ = ["PVI", "GlobalVI", "PVIResult", "PVIGuide", "Clients", "partition", "handlers",
+           "families", "__version__"]

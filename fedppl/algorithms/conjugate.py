@@ -1,0 +1,142 @@
+"""The conjugate case: a Gaussian likelihood whose mean is affine in the global sites.
+
+When every observed site is ``Normal(loc(theta), scale)`` with ``loc`` affine in ``theta``, ``scale``
+free of ``theta``, and every global site real-valued, client k's likelihood is exactly a Gaussian
+factor in ``theta``:
+
+    log p(y_k | theta) = -1/2 sum_n w_n / s_n^2 (r_n - J_n theta)^2 + const,   r = y - loc(0),
+
+so the local free energy has a closed-form maximiser (``q = cavity * likelihood`` for a full-rank
+family, its mean-field projection otherwise). :func:`check` decides whether a model is in this case
+(numerically, on random points); :func:`likelihood_terms` extracts ``J``, ``r`` and the weights.
+
+Example::
+
+    >>> reason = check(client_model, layout, X_k, y_k)      # None when conjugate
+    >>> lik = likelihood_terms(client_model, layout, X_k, y_k)
+    >>> factor = likelihood_factor(lik)                     # FullGaussian in natural parameters
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable, NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import numpyro.distributions as dist
+from jax import Array
+from numpyro import handlers
+
+from fedppl.families.gaussian import FullGaussian
+from fedppl.sites import SiteLayout, is_identity
+
+__all__ = ["GaussianLikelihood", "check", "likelihood_terms", "likelihood_factor",
+           "expected_log_lik"]
+
+
+class NotConjugate(Exception):
+    pass
+
+
+class GaussianLikelihood(NamedTuple):
+    """All observations flattened: ``y_n ~ N(loc0_n + J_n theta, 1 / prec_n)`` with weight folded
+    into ``prec`` (zero for masked rows)."""
+
+    J: Array  # (n_obs, D)
+    resid: Array  # (n_obs,) y - loc(0)
+    prec: Array  # (n_obs,) weight / scale^2
+    log_norm: Array  # () sum_n weight_n * (-1/2 log(2 pi scale_n^2))
+
+
+def _normal_observations(model: Callable, layout: SiteLayout, theta: Array, args: tuple,
+                         kwargs: dict) -> tuple[Array, Array, Array, Array]:
+    """Flat ``loc``, ``scale``, ``y`` and weight of all observed sites at ``theta``."""
+    values = layout.constrain(theta)
+    tr = handlers.trace(handlers.substitute(handlers.seed(model, 0), data=values)).get_trace(
+        *args, **kwargs
+    )
+    locs, scales, ys, weights = [], [], [], []
+    for name, site in tr.items():
+        if site["type"] != "sample":
+            continue
+        if not site["is_observed"]:
+            if name not in layout.names:
+                raise NotConjugate(f"latent site '{name}' is not a global site")
+            continue
+        fn, value = site["fn"], site["value"]
+        weight = jnp.ones(jnp.shape(value))
+        while True:
+            if isinstance(fn, dist.MaskedDistribution):
+                mask = jnp.reshape(fn._mask, jnp.shape(fn._mask) + (1,) * len(fn.event_shape))
+                weight = weight * mask
+                fn = fn.base_dist
+            elif isinstance(fn, (dist.Independent, dist.ExpandedDistribution)):
+                fn = fn.base_dist
+            else:
+                break
+        if not isinstance(fn, dist.Normal):
+            raise NotConjugate(f"observed site '{name}' is {type(fn).__name__}, not Normal")
+        if site["scale"] is not None:
+            weight = weight * site["scale"]
+        shape = jnp.shape(value)
+        locs.append(jnp.broadcast_to(fn.loc, shape).reshape(-1))
+        scales.append(jnp.broadcast_to(fn.scale, shape).reshape(-1))
+        ys.append(jnp.reshape(value, (-1,)))
+        weights.append(jnp.broadcast_to(weight, shape).reshape(-1))
+    if not locs:
+        raise NotConjugate("the model has no observed sites")
+    return tuple(jnp.concatenate(p) for p in (locs, scales, ys, weights))
+
+
+def likelihood_terms(model: Callable, layout: SiteLayout, *args: Any, **kwargs: Any
+                     ) -> GaussianLikelihood:
+    """``J``, residual at zero and precisions of a conjugate model (see module doc)."""
+    theta0 = jnp.zeros(layout.dim)
+    loc0, scale, y, weight = _normal_observations(model, layout, theta0, args, kwargs)
+    J = jax.jacfwd(lambda t: _normal_observations(model, layout, t, args, kwargs)[0])(theta0)
+    prec = weight / scale**2
+    safe = jnp.where(weight > 0, scale, 1.0)
+    log_norm = -0.5 * jnp.sum(weight * jnp.log(2 * jnp.pi * safe**2))
+    return GaussianLikelihood(J, y - loc0, prec, log_norm)
+
+
+def likelihood_factor(lik: GaussianLikelihood) -> FullGaussian:
+    """The likelihood as a Gaussian factor in ``theta`` (natural parameters)."""
+    Jw = lik.J * lik.prec[:, None]
+    return FullGaussian(Jw.T @ lik.resid, lik.J.T @ Jw)
+
+
+def expected_log_lik(lik: GaussianLikelihood, mean: Array, cov: Array) -> Array:
+    """``E_q[log p(y | theta)]`` for ``q = N(mean, cov)`` (``cov`` a matrix)."""
+    err = lik.resid - lik.J @ mean
+    spread = jnp.einsum("nd,de,ne->n", lik.J, cov, lik.J)
+    return lik.log_norm - 0.5 * jnp.sum(lik.prec * (err**2 + spread))
+
+
+def check(model: Callable, layout: SiteLayout, *args: Any, seed: int = 0, **kwargs: Any
+          ) -> str | None:
+    """``None`` if the model is conjugate in its global sites, else the reason it is not.
+
+    Affinity of the mean and constancy of the scale are checked at random points, so a model that
+    is affine only near zero would pass; such models are rare and the check is documented.
+    """
+    for s in layout.sites:
+        if not is_identity(s.transform):
+            return f"global site '{s.name}' is constrained ({type(s.transform).__name__})"
+    try:
+        theta0 = jnp.zeros(layout.dim)
+        loc0, scale0, _, _ = _normal_observations(model, layout, theta0, args, kwargs)
+        J = jax.jacfwd(lambda t: _normal_observations(model, layout, t, args, kwargs)[0])(theta0)
+        rng = np.random.default_rng(seed)
+        for _ in range(2):
+            theta = jnp.asarray(rng.normal(size=layout.dim) * 3.0, dtype=loc0.dtype)
+            loc, scale, _, _ = _normal_observations(model, layout, theta, args, kwargs)
+            tol = 1e-5 * (1.0 + jnp.max(jnp.abs(loc)))
+            if not bool(jnp.all(jnp.abs(loc - (loc0 + J @ theta)) <= tol)):
+                return "the mean of an observed site is not affine in the global sites"
+            if not bool(jnp.allclose(scale, scale0)):
+                return "the scale of an observed site depends on the global sites"
+    except NotConjugate as e:
+        return str(e)
+    return None

@@ -1,0 +1,54 @@
+"""Export a fedppl result to ArviZ, with a ``client`` dimension for the client factors.
+
+Example::
+
+    >>> idata = result.to_arviz(jax.random.key(0), num_samples=1000)
+    >>> arviz.summary(idata)
+    >>> idata.constant_data["factor_mean"]          # (client, theta) mean of each t_k
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import jax
+import numpy as np
+
+from fedppl.families import gaussian as g
+
+if TYPE_CHECKING:  # pragma: no cover
+    from fedppl.infer import PVIResult
+
+__all__ = ["to_inference_data"]
+
+
+def _arviz():
+    try:
+        import arviz
+    except ImportError as e:  # pragma: no cover - depends on the environment
+        raise ImportError("ArviZ export needs the arviz extra: pip install 'fedppl[arviz]'") from e
+    return arviz
+
+
+def to_inference_data(result: PVIResult, rng_key=None, num_samples: int = 1000):
+    """Posterior draws (one chain), per-client factor precisions and run history.
+
+    The factors are exported as their natural parameters over the flat unconstrained vector
+    (``factor_nat1``, ``factor_prec``), since a factor need not be a normalisable distribution.
+    """
+    az = _arviz()
+    rng_key = jax.random.key(0) if rng_key is None else rng_key
+    draws = {k: np.asarray(v)[None] for k, v in result.sample(rng_key, num_samples).items()}
+    nat1 = np.asarray(result.factors.nat1)
+    prec = np.asarray(result.factors.prec)
+    full = isinstance(result.factors, g.FullGaussian)
+    constant = {"factor_nat1": nat1, "factor_prec": prec}
+    dims = {"factor_nat1": ["client", "theta"],
+            "factor_prec": ["client", "theta", "theta_"] if full else ["client", "theta"]}
+    coords = {"client": list(result.client_names) or list(range(nat1.shape[0]))}
+    idata = az.from_dict(posterior=draws, constant_data=constant, coords=coords, dims=dims)
+    fe = result.history.get("free_energy")
+    if fe is not None and len(fe):
+        idata.posterior.attrs["final_local_free_energy"] = np.asarray(fe[-1]).tolist()
+        idata.posterior.attrs["num_rounds"] = int(len(fe))
+    return idata

@@ -1,0 +1,110 @@
+"""``Clients``: the data of K clients, ragged and in padded, masked, stacked form.
+
+Each client holds a tuple of arrays (the positional arguments of the model, e.g. ``(X_k, y_k)``)
+with a common number of rows ``N_k``. The stacked form pads every client to ``N_max`` rows (zeros)
+and adds a boolean mask, so that all clients run through one compiled function under ``vmap``.
+
+Example::
+
+    >>> clients = Clients.from_list([(X1, y1), (X2, y2)])
+    >>> clients.num_clients, clients.sizes        # 2, array([N1, N2])
+    >>> X_pad, y_pad = clients.stacked            # shapes (2, N_max, D), (2, N_max)
+    >>> clients.mask                              # (2, N_max) booleans
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Sequence
+
+import jax.numpy as jnp
+import numpy as np
+
+__all__ = ["Clients"]
+
+
+@dataclass(frozen=True)
+class Clients:
+    """Validated per-client data; build with :meth:`from_list` or :mod:`fedppl.partition`."""
+
+    data: tuple[tuple[np.ndarray, ...], ...]
+    names: tuple[str, ...] = field(default=())
+
+    def __post_init__(self):
+        if len(self.data) == 0:
+            raise ValueError("there are no clients")
+        if not self.names:
+            object.__setattr__(self, "names", tuple(f"client {k}" for k in range(len(self.data))))
+        arity = len(self.data[0])
+        for k, arrays in enumerate(self.data):
+            who = self.names[k]
+            if len(arrays) != arity:
+                raise ValueError(f"{who} has {len(arrays)} arrays, client 0 has {arity}")
+            lengths = {np.shape(a)[0] if np.ndim(a) else None for a in arrays}
+            if None in lengths:
+                raise ValueError(f"{who}: every array needs a leading data axis")
+            if len(lengths) != 1:
+                shapes = [np.shape(a) for a in arrays]
+                raise ValueError(f"{who}: arrays have different numbers of rows {shapes}")
+            if lengths == {0}:
+                raise ValueError(f"{who} has no data")
+            for i, a in enumerate(arrays):
+                if np.issubdtype(np.asarray(a).dtype, np.number):
+                    bad = ~np.isfinite(np.asarray(a, dtype=float))
+                    if bad.any():
+                        rows = np.unique(np.nonzero(bad)[0])[:5].tolist()
+                        raise ValueError(
+                            f"{who}: array {i} has NaN or infinite values (rows {rows}...)"
+                        )
+            trailing = [np.shape(a)[1:] for a in arrays]
+            ref = [np.shape(a)[1:] for a in self.data[0]]
+            if trailing != ref:
+                raise ValueError(f"{who}: array shapes {trailing} differ from client 0's {ref}")
+
+    @classmethod
+    def from_list(cls, data: Sequence[Sequence[np.ndarray]], names: Sequence[str] = ()) -> Clients:
+        """One entry per client, each a tuple of arrays with a common leading length."""
+        return cls(tuple(tuple(np.asarray(a) for a in d) for d in data), tuple(names))
+
+    @property
+    def num_clients(self) -> int:
+        return len(self.data)
+
+    @property
+    def sizes(self) -> np.ndarray:
+        return np.array([np.shape(d[0])[0] for d in self.data])
+
+    @property
+    def max_size(self) -> int:
+        return int(self.sizes.max())
+
+    @property
+    def stacked(self) -> tuple[jnp.ndarray, ...]:
+        """Arrays padded with zeros to ``N_max`` rows and stacked: ``(K, N_max, ...)`` each."""
+        n = self.max_size
+        out = []
+        for i in range(len(self.data[0])):
+            parts = []
+            for d in self.data:
+                a = np.asarray(d[i])
+                pad = [(0, n - a.shape[0])] + [(0, 0)] * (a.ndim - 1)
+                parts.append(np.pad(a, pad))
+            out.append(jnp.asarray(np.stack(parts)))
+        return tuple(out)
+
+    @property
+    def mask(self) -> jnp.ndarray:
+        """``(K, N_max)`` booleans, True at each client's real rows."""
+        return jnp.asarray(np.arange(self.max_size)[None, :] < self.sizes[:, None])
+
+    def client(self, k: int) -> tuple[np.ndarray, ...]:
+        """Client ``k``'s arrays, unpadded."""
+        return self.data[k]
+
+    def pooled(self) -> Clients:
+        """All data on one client (the centralised reference)."""
+        arrays = tuple(np.concatenate([d[i] for d in self.data]) for i in range(len(self.data[0])))
+        return Clients((arrays,), ("pooled",))
+
+    def subset(self, indices: Sequence[int]) -> Clients:
+        return Clients(tuple(self.data[k] for k in indices), tuple(self.names[k] for k in indices))

@@ -1,0 +1,282 @@
+"""Gaussians in natural parameters: the algebra PVI is made of.
+
+A Gaussian N(mu, Sigma) is stored as ``nat1 = Lambda @ mu`` and ``prec = Lambda = Sigma^-1``
+(the canonical natural parameters are ``(Lambda mu, -Lambda / 2)``; we keep the precision itself,
+which is linear in them, so products, quotients and damping stay plain additions).
+
+Two families share one interface:
+
+* :class:`DiagGaussian`: ``prec`` has the shape of ``nat1`` (independent coordinates);
+* :class:`FullGaussian`: ``prec`` is a ``(D, D)`` matrix.
+
+Both may carry leading batch axes (PVI stacks the client factors on axis 0) and both are pytrees,
+so they pass through ``jit``, ``vmap`` and ``lax.scan`` unchanged. A *factor* (a PVI ``t_k``) need
+not be normalisable: its precision may be indefinite. Only distributions (q, the cavity, the prior)
+must be positive definite; :func:`is_pd` checks this and :func:`repair` restores it.
+
+Example::
+
+    >>> import jax.numpy as jnp
+    >>> from fedppl.families import gaussian as g
+    >>> prior = g.FullGaussian.from_moments(jnp.zeros(2), jnp.eye(2))
+    >>> lik = g.FullGaussian(jnp.array([1.0, 0.0]), jnp.eye(2))
+    >>> mean, cov = g.to_moments(g.product(prior, lik))   # mean [0.5, 0], cov I/2
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple, Union
+
+import jax
+import jax.numpy as jnp
+import jax.scipy.linalg as jsl
+import numpyro.distributions as dist
+from jax import Array
+
+__all__ = [
+    "DiagGaussian",
+    "FullGaussian",
+    "Gaussian",
+    "product",
+    "quotient",
+    "damp",
+    "scale",
+    "zeros_like",
+    "to_moments",
+    "mean_and_scale_tril",
+    "kl",
+    "log_prob",
+    "sample",
+    "is_pd",
+    "repair",
+    "is_finite",
+    "to_distribution",
+    "project_diag",
+    "num_bytes",
+]
+
+
+class DiagGaussian(NamedTuple):
+    """Diagonal Gaussian (or factor): ``nat1 = prec * mean``, ``prec`` elementwise precision."""
+
+    nat1: Array
+    prec: Array
+
+    @classmethod
+    def from_moments(cls, mean: Array, var: Array) -> DiagGaussian:
+        mean, var = jnp.broadcast_arrays(jnp.asarray(mean), jnp.asarray(var))
+        return cls(mean / var, 1.0 / var)
+
+    @property
+    def dim(self) -> int:
+        return self.nat1.shape[-1]
+
+
+class FullGaussian(NamedTuple):
+    """Full-rank Gaussian (or factor): ``nat1 = prec @ mean``, ``prec`` a ``(D, D)`` precision."""
+
+    nat1: Array
+    prec: Array
+
+    @classmethod
+    def from_moments(cls, mean: Array, cov: Array) -> FullGaussian:
+        mean = jnp.asarray(mean)
+        chol = jnp.linalg.cholesky(_sym(jnp.asarray(cov)))
+        eye = jnp.broadcast_to(jnp.eye(mean.shape[-1], dtype=chol.dtype), chol.shape)
+        prec = jsl.cho_solve((chol, True), eye)
+        return cls(_matvec(prec, mean), _sym(prec))
+
+    @property
+    def dim(self) -> int:
+        return self.nat1.shape[-1]
+
+
+Gaussian = Union[DiagGaussian, FullGaussian]
+
+
+# -- algebra: products, quotients and damping are linear in the natural parameters -----------------
+
+
+def product(*gs: Gaussian) -> Gaussian:
+    """Product of Gaussian factors (sum of natural parameters)."""
+    out = gs[0]
+    for g in gs[1:]:
+        _same_family(out, g)
+        out = jax.tree_util.tree_map(jnp.add, out, g)
+    return out
+
+
+def quotient(a: Gaussian, b: Gaussian) -> Gaussian:
+    """``a / b`` (difference of natural parameters): the cavity is ``quotient(q, t_k)``."""
+    _same_family(a, b)
+    return jax.tree_util.tree_map(jnp.subtract, a, b)
+
+
+def scale(g: Gaussian, power: Array | float) -> Gaussian:
+    """``g ** power``: natural parameters times ``power`` (a power of a factor)."""
+    return jax.tree_util.tree_map(lambda x: power * x, g)
+
+
+def damp(old: Gaussian, new: Gaussian, rho: Array | float) -> Gaussian:
+    """Damped update ``old ** (1 - rho) * new ** rho``; ``rho = 1`` takes ``new`` as it is."""
+    _same_family(old, new)
+    return jax.tree_util.tree_map(lambda o, n: (1.0 - rho) * o + rho * n, old, new)
+
+
+def zeros_like(g: Gaussian) -> Gaussian:
+    """The flat (uniform) factor of the same family and shape."""
+    return jax.tree_util.tree_map(jnp.zeros_like, g)
+
+
+# -- conversions ---------------------------------------------------------------------------------
+
+
+def to_moments(g: Gaussian) -> tuple[Array, Array]:
+    """Mean and covariance (a variance vector for :class:`DiagGaussian`).
+
+    Uses a Cholesky factorisation of the precision; a precision that is not positive definite
+    yields NaN, so check :func:`is_pd` (or :func:`repair`) first where that can happen.
+    """
+    if isinstance(g, DiagGaussian):
+        return g.nat1 / g.prec, 1.0 / g.prec
+    chol = jnp.linalg.cholesky(_sym(g.prec))
+    mean = jsl.cho_solve((chol, True), g.nat1[..., None])[..., 0]
+    eye = jnp.broadcast_to(jnp.eye(g.dim, dtype=chol.dtype), chol.shape)
+    return mean, _sym(jsl.cho_solve((chol, True), eye))
+
+
+def mean_and_scale_tril(g: Gaussian) -> tuple[Array, Array]:
+    """Mean and the lower Cholesky factor of the covariance (a std vector for diagonal)."""
+    mean, cov = to_moments(g)
+    if isinstance(g, DiagGaussian):
+        return mean, jnp.sqrt(cov)
+    return mean, jnp.linalg.cholesky(cov)
+
+
+def project_diag(g: FullGaussian) -> DiagGaussian:
+    """Mean-field projection used by the conjugate update: keep the mean and the diagonal of the
+    precision (the optimum of KL(q || g) over diagonal q for Gaussian g)."""
+    mean, _ = to_moments(g)
+    prec = jnp.diagonal(g.prec, axis1=-2, axis2=-1)
+    return DiagGaussian(prec * mean, prec)
+
+
+def to_distribution(g: Gaussian) -> dist.Distribution:
+    """A NumPyro distribution over the (flat) vector: ``Normal(...).to_event(1)`` or MVN."""
+    mean, sc = mean_and_scale_tril(g)
+    if isinstance(g, DiagGaussian):
+        return dist.Normal(mean, sc).to_event(1)
+    return dist.MultivariateNormal(mean, scale_tril=sc)
+
+
+# -- densities, divergences, samples ---------------------------------------------------------------
+
+
+def kl(q: Gaussian, p: Gaussian) -> Array:
+    """KL(q || p) for two normalisable Gaussians of the same family."""
+    _same_family(q, p)
+    mq, cq = to_moments(q)
+    mp, _ = to_moments(p)
+    diff = mq - mp
+    if isinstance(q, DiagGaussian):
+        return 0.5 * jnp.sum(p.prec * cq + p.prec * diff**2 - 1.0 - jnp.log(p.prec * cq), axis=-1)
+    d = q.dim
+    trace = jnp.sum(p.prec * cq, axis=(-2, -1))
+    maha = jnp.einsum("...i,...ij,...j->...", diff, p.prec, diff)
+    return 0.5 * (trace + maha - d + _logdet_pd(q.prec) - _logdet_pd(p.prec))
+
+
+def log_prob(g: Gaussian, x: Array) -> Array:
+    """Normalised log density at ``x`` (shape ``(..., D)``)."""
+    mean, _ = to_moments(g)
+    diff = x - mean
+    if isinstance(g, DiagGaussian):
+        return 0.5 * jnp.sum(jnp.log(g.prec / (2 * jnp.pi)) - g.prec * diff**2, axis=-1)
+    maha = jnp.einsum("...i,...ij,...j->...", diff, g.prec, diff)
+    return 0.5 * (_logdet_pd(g.prec) - g.dim * jnp.log(2 * jnp.pi) - maha)
+
+
+def sample(key: Array, g: Gaussian, num_samples: int) -> Array:
+    """``num_samples`` draws of shape ``(num_samples, D)`` (the Gaussian must be unbatched)."""
+    mean, sc = mean_and_scale_tril(g)
+    eps = jax.random.normal(key, (num_samples, g.dim), dtype=mean.dtype)
+    if isinstance(g, DiagGaussian):
+        return mean + eps * sc
+    return mean + eps @ sc.T
+
+
+# -- checks and repair -----------------------------------------------------------------------------
+
+
+def is_pd(g: Gaussian) -> Array:
+    """Whether the precision is (numerically) positive definite; batched over leading axes."""
+    if isinstance(g, DiagGaussian):
+        return jnp.all(g.prec > 0, axis=-1)
+    chol = jnp.linalg.cholesky(_sym(g.prec))
+    return jnp.all(jnp.isfinite(chol), axis=(-2, -1))
+
+
+def is_finite(g: Gaussian) -> Array:
+    """Whether every natural parameter is finite; batched over leading axes."""
+    if isinstance(g, DiagGaussian):
+        return jnp.all(jnp.isfinite(g.nat1) & jnp.isfinite(g.prec), axis=-1)
+    return jnp.all(jnp.isfinite(g.nat1), axis=-1) & jnp.all(jnp.isfinite(g.prec), axis=(-2, -1))
+
+
+def repair(g: Gaussian, min_prec: float = 1e-6) -> tuple[Gaussian, Array]:
+    """Clip the precision's eigenvalues at ``min_prec``, keeping the mean where it is defined.
+
+    Returns the repaired Gaussian and a flag telling whether anything was changed; callers warn.
+    The mean is preserved by recomputing ``nat1`` from the least-squares mean of the old precision.
+    """
+    if isinstance(g, DiagGaussian):
+        bad = g.prec < min_prec
+        mean = jnp.where(bad, 0.0, g.nat1 / jnp.where(bad, 1.0, g.prec))
+        prec = jnp.where(bad, min_prec, g.prec)
+        return DiagGaussian(jnp.where(bad, prec * mean, g.nat1), prec), jnp.any(bad, axis=-1)
+    evals, evecs = jnp.linalg.eigh(_sym(g.prec))
+    bad = evals < min_prec
+    safe = jnp.where(bad, 1.0, evals)
+    # mean restricted to the well-defined eigen-directions, zero elsewhere
+    coords = jnp.einsum("...ji,...j->...i", evecs, g.nat1)
+    mean_coords = jnp.where(bad, 0.0, coords / safe)
+    new_evals = jnp.where(bad, min_prec, evals)
+    prec = jnp.einsum("...ik,...k,...jk->...ij", evecs, new_evals, evecs)
+    nat1 = jnp.einsum("...ik,...k->...i", evecs, new_evals * mean_coords)
+    changed = jnp.any(bad, axis=-1)
+    keep = changed[..., None]
+    return (
+        FullGaussian(jnp.where(keep, nat1, g.nat1), jnp.where(keep[..., None], _sym(prec), g.prec)),
+        changed,
+    )
+
+
+def num_bytes(g: Gaussian) -> int:
+    """Size in bytes of what it takes to send this factor (both natural parameters)."""
+    if isinstance(g, FullGaussian):
+        d = g.dim  # a symmetric precision needs only its lower triangle on the wire
+        per = d + d * (d + 1) // 2
+        lead = g.nat1.size // d
+        return int(lead * per * g.nat1.dtype.itemsize)
+    return int(g.nat1.nbytes + g.prec.nbytes)
+
+
+# -- helpers ---------------------------------------------------------------------------------------
+
+
+def _sym(a: Array) -> Array:
+    return 0.5 * (a + jnp.swapaxes(a, -1, -2))
+
+
+def _matvec(a: Array, x: Array) -> Array:
+    return jnp.einsum("...ij,...j->...i", a, x)
+
+
+def _logdet_pd(a: Array) -> Array:
+    chol = jnp.linalg.cholesky(_sym(a))
+    return 2.0 * jnp.sum(jnp.log(jnp.diagonal(chol, axis1=-2, axis2=-1)), axis=-1)
+
+
+def _same_family(a: Gaussian, b: Gaussian) -> None:
+    if type(a) is not type(b):
+        raise TypeError(f"cannot combine a {type(a).__name__} with a {type(b).__name__}")

@@ -1,0 +1,73 @@
+"""``client``: scope a model to one client's padded, masked data.
+
+Clients hold different numbers of points; fedppl pads them to a common length so that all clients
+run through one compiled function. This handler masks the padded rows out of every observed site
+inside the data plate, and optionally rescales the likelihood when the call sees a minibatch of
+the client's ``num_data`` points (scale ``num_data / batch``).
+
+Example::
+
+    >>> # X_k, y_k padded to N_max rows; mask_k marks the real ones
+    >>> with client(mask=mask_k):
+    ...     tr = numpyro.handlers.trace(numpyro.handlers.seed(model, 0)).get_trace(X_k, y_k)
+"""
+
+from __future__ import annotations
+
+import jax.numpy as jnp
+from jax import Array
+from numpyro.primitives import Messenger
+
+__all__ = ["client"]
+
+
+class client(Messenger):
+    """Mask padded rows (and optionally rescale) at the observed sites of the data plate.
+
+    :param fn: a NumPyro model.
+    :param mask: boolean array ``(N_max,)``, True for the client's real data points.
+    :param plate: name of the plate over data points; by default the plate whose size is
+        ``N_max``. Every observed site must sit inside it.
+    :param num_data: if given, the client's total number of points; the likelihood is scaled by
+        ``num_data / mask.sum()`` (for minibatches).
+    """
+
+    def __init__(self, fn=None, mask: Array | None = None, plate: str | None = None,
+                 num_data: int | Array | None = None):
+        if mask is None:
+            raise ValueError("client needs a mask over the padded data points")
+        if jnp.ndim(mask) != 1:
+            raise ValueError(f"mask must be one-dimensional, got shape {jnp.shape(mask)}")
+        self.mask = mask
+        self.plate = plate
+        self.num_data = num_data
+        super().__init__(fn)
+
+    def process_message(self, msg):
+        if msg["type"] != "sample" or not msg["is_observed"]:
+            return
+        n = jnp.shape(self.mask)[0]
+        frame = next(
+            (
+                f
+                for f in msg["cond_indep_stack"]
+                if (f.name == self.plate if self.plate is not None else f.size == n)
+            ),
+            None,
+        )
+        if frame is None:
+            which = f"named '{self.plate}'" if self.plate else f"of size {n}"
+            raise ValueError(
+                f"observed site '{msg['name']}' is not inside a plate {which}; put per-datum "
+                "observations inside `with numpyro.plate('data', X.shape[0]):` (or name the "
+                "data plate with plate=...)"
+            )
+        if frame.size != n:
+            raise ValueError(
+                f"the data plate '{frame.name}' has size {frame.size} but the mask has {n} rows"
+            )
+        m = jnp.reshape(self.mask, (n,) + (1,) * (-frame.dim - 1))
+        msg["fn"] = msg["fn"].mask(m)
+        if self.num_data is not None:
+            factor = self.num_data / jnp.maximum(jnp.sum(self.mask), 1)
+            msg["scale"] = factor if msg["scale"] is None else msg["scale"] * factor

@@ -1,0 +1,43 @@
+"""``tempered``: scale the KL term of chosen latent sites by ``alpha``.
+
+The KL between guide and prior at a site is ``E_q[log q - log p]``; it appears in the ELBO through
+the model's prior term and the guide's entropy term. Wrap *both* the model and the guide, and each
+of the named latent sites contributes ``alpha * (log p - log q)``: the HVM's alpha-scaled
+``KL[q(Z) || q_cavity(Z)]`` (Sec. 4 of the federated sparse GP paper). Observed sites and other
+sites are untouched.
+
+Example::
+
+    >>> loss = Trace_ELBO().loss(key, params, tempered(model, alpha=0.1, sites=["Z"]),
+    ...                          tempered(guide, alpha=0.1, sites=["Z"]), X, y)
+"""
+
+from __future__ import annotations
+
+from typing import Iterable
+
+from numpyro.primitives import Messenger
+
+__all__ = ["tempered"]
+
+
+class tempered(Messenger):
+    """Multiply the log density of the named latent sample sites by ``alpha``.
+
+    :param fn: a model or a guide (apply it to both for a scaled KL).
+    :param alpha: the scale, ``alpha >= 0``.
+    :param sites: names of latent sites to scale.
+    """
+
+    def __init__(self, fn=None, alpha: float = 1.0, sites: Iterable[str] = ()):
+        if not (alpha >= 0):
+            raise ValueError(f"alpha must be non-negative, got {alpha}")
+        self.alpha = alpha
+        self.sites = frozenset(sites)
+        if not self.sites:
+            raise ValueError("tempered needs at least one site name")
+        super().__init__(fn)
+
+    def process_message(self, msg):
+        if msg["type"] == "sample" and not msg["is_observed"] and msg["name"] in self.sites:
+            msg["scale"] = self.alpha if msg["scale"] is None else self.alpha * msg["scale"]

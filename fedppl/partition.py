@@ -1,0 +1,111 @@
+"""Split a dataset ``(X, y)`` across clients, homogeneously or with skew.
+
+Every function returns a :class:`~fedppl.clients.Clients` whose clients each hold ``(X_k, y_k)``.
+
+Example::
+
+    >>> from fedppl import partition
+    >>> clients = partition.homogeneous(X, y, num_clients=10, seed=0)
+    >>> skewed = partition.by_feature(X, y, num_clients=10)          # sorted chunks
+    >>> labels = partition.dirichlet(X, y, num_clients=10, alpha=0.5, seed=0)
+"""
+
+from __future__ import annotations
+
+from typing import Sequence
+
+import numpy as np
+
+from fedppl.clients import Clients
+
+__all__ = ["homogeneous", "by_feature", "by_group", "dirichlet", "from_indices"]
+
+
+def _check(X: np.ndarray, y: np.ndarray, num_clients: int | None = None) -> tuple[np.ndarray, np.ndarray]:
+    X, y = np.asarray(X), np.asarray(y)
+    if X.shape[0] != y.shape[0]:
+        raise ValueError(f"X has {X.shape[0]} rows but y has {y.shape[0]}")
+    if num_clients is not None:
+        if num_clients < 1:
+            raise ValueError(f"num_clients must be at least 1, got {num_clients}")
+        if num_clients > X.shape[0]:
+            raise ValueError(f"{num_clients} clients but only {X.shape[0]} data points")
+    return X, y
+
+
+def from_indices(X: np.ndarray, y: np.ndarray, indices: Sequence[Sequence[int]]) -> Clients:
+    """Client ``k`` takes the rows ``indices[k]`` (empty clients raise, naming the client)."""
+    X, y = _check(X, y)
+    for k, idx in enumerate(indices):
+        if len(idx) == 0:
+            raise ValueError(f"client {k} has no data")
+    return Clients.from_list([(X[np.asarray(idx)], y[np.asarray(idx)]) for idx in indices])
+
+
+def homogeneous(X: np.ndarray, y: np.ndarray, num_clients: int, seed: int = 0) -> Clients:
+    """A random permutation cut into ``num_clients`` near-equal parts."""
+    X, y = _check(X, y, num_clients)
+    perm = np.random.default_rng(seed).permutation(X.shape[0])
+    return from_indices(X, y, np.array_split(perm, num_clients))
+
+
+def by_feature(X: np.ndarray, y: np.ndarray, num_clients: int, feature: int | None = None,
+               sizes: Sequence[int] | None = None) -> Clients:
+    """Inhomogeneous split: sort by one input feature and cut into contiguous chunks.
+
+    ``feature=None`` sorts by the feature with the largest absolute correlation with ``y``
+    (the choice of the FedBNR paper). ``sizes`` gives unequal chunk sizes (summing to N).
+    """
+    X, y = _check(X, y, num_clients)
+    if feature is None:
+        Xc, yc = X - X.mean(0), (y - y.mean()).reshape(-1)
+        denom = np.sqrt((Xc**2).sum(0) * (yc**2).sum()) + 1e-300
+        feature = int(np.argmax(np.abs(Xc.T @ yc) / denom))
+    if not 0 <= feature < X.shape[1]:
+        raise ValueError(f"feature {feature} out of range for {X.shape[1]} features")
+    order = np.argsort(X[:, feature], kind="stable")
+    if sizes is None:
+        chunks = np.array_split(order, num_clients)
+    else:
+        if len(sizes) != num_clients or sum(sizes) != X.shape[0]:
+            raise ValueError(f"sizes must be {num_clients} numbers summing to {X.shape[0]}")
+        chunks = np.split(order, np.cumsum(sizes)[:-1])
+    return from_indices(X, y, chunks)
+
+
+def by_group(X: np.ndarray, y: np.ndarray, groups: np.ndarray) -> Clients:
+    """One client per distinct value of ``groups`` (e.g. hospital id), in sorted order."""
+    X, y = _check(X, y)
+    groups = np.asarray(groups)
+    if groups.shape[0] != X.shape[0]:
+        raise ValueError(f"groups has {groups.shape[0]} entries but X has {X.shape[0]} rows")
+    values = np.unique(groups)
+    clients = from_indices(X, y, [np.nonzero(groups == v)[0] for v in values])
+    return Clients(clients.data, tuple(f"group {v}" for v in values))
+
+
+def dirichlet(X: np.ndarray, y: np.ndarray, num_clients: int, alpha: float, seed: int = 0,
+              min_size: int = 1, max_tries: int = 100) -> Clients:
+    """Label skew: for each class, its points go to clients in Dirichlet(alpha) proportions.
+
+    Small ``alpha`` gives each client few classes; large ``alpha`` approaches homogeneous.
+    Draws again (up to ``max_tries``) until every client has at least ``min_size`` points.
+    """
+    X, y = _check(X, y, num_clients)
+    if alpha <= 0:
+        raise ValueError(f"alpha must be positive, got {alpha}")
+    rng = np.random.default_rng(seed)
+    classes = np.unique(y)
+    for _ in range(max_tries):
+        parts: list[list[int]] = [[] for _ in range(num_clients)]
+        for c in classes:
+            idx = rng.permutation(np.nonzero(y == c)[0])
+            cuts = (np.cumsum(rng.dirichlet(np.full(num_clients, alpha))) * len(idx)).astype(int)
+            for k, chunk in enumerate(np.split(idx, cuts[:-1])):
+                parts[k].extend(chunk.tolist())
+        if min(len(p) for p in parts) >= min_size:
+            return from_indices(X, y, [np.sort(p) for p in parts])
+    raise ValueError(
+        f"could not give every one of {num_clients} clients {min_size} points in {max_tries} "
+        f"draws with alpha={alpha}; raise alpha or lower num_clients"
+    )

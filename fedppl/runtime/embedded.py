@@ -1,0 +1,98 @@
+"""The embedded runtime: every client in one process, on the padded, stacked client axis.
+
+A round is one compiled function:
+
+* ``synchronous``: all clients step from the same ``q`` under one ``jax.vmap``, then one server
+  update combines their deltas;
+* ``sequential``: ``lax.scan`` over the clients in order, the server updating after each;
+* ``loop``: the synchronous round with a Python loop over clients (one compiled client step called
+  K times): the baseline that ``benchmarks/pvi_rounds.py`` compares ``vmap`` against.
+
+Example::
+
+    >>> round_fn = make_round(solver, damping=0.5, schedule="synchronous")
+    >>> state, factors, msgs, steps = round_fn(state, factors, data, masks, key)
+"""
+
+from __future__ import annotations
+
+from functools import partial
+from typing import Callable
+
+import jax
+import jax.numpy as jnp
+from jax import Array
+
+from fedppl.algorithms import pvi
+from fedppl.families import gaussian as g
+
+__all__ = ["make_round", "SCHEDULES"]
+
+SCHEDULES = ("sequential", "synchronous", "loop")
+
+RoundFn = Callable[
+    [pvi.ServerState, g.Gaussian, tuple, Array, Array],
+    tuple[pvi.ServerState, g.Gaussian, pvi.ClientMessage, Array],
+]
+
+
+def make_round(solver: pvi.LocalSolver, damping: float, schedule: str) -> RoundFn:
+    """A function ``(state, factors, data, masks, key) -> (state, factors, messages, steps)``."""
+    if schedule not in SCHEDULES:
+        raise ValueError(f"schedule must be one of {SCHEDULES}, got {schedule!r}")
+    step = partial(pvi.client_update, solver=solver, damping=damping)
+
+    if schedule == "synchronous":
+
+        @jax.jit
+        def round_fn(state, factors, data, masks, key):
+            keys = jax.random.split(key, masks.shape[0])
+            msgs, _ = jax.vmap(step, in_axes=(None, 0, 0, 0, 0))(state.q, factors, data, masks, keys)
+            state, steps = pvi.server_update(state, msgs)
+            return state, pvi.acknowledge(factors, msgs, steps), msgs, steps
+
+        return round_fn
+
+    if schedule == "sequential":
+
+        @jax.jit
+        def round_fn(state, factors, data, masks, key):
+            keys = jax.random.split(key, masks.shape[0])
+
+            def one(state, inputs):
+                factor, data_k, mask_k, key_k = inputs
+                msg, _ = step(state.q, factor, data_k, mask_k, key_k)
+                batch = jax.tree_util.tree_map(lambda x: x[None], msg)
+                q_only = pvi.ServerState(state.q, state.round)
+                new_state, s = pvi.server_update(q_only, batch)
+                factor = pvi.acknowledge(
+                    jax.tree_util.tree_map(lambda x: x[None], factor), batch, s
+                )
+                factor = jax.tree_util.tree_map(lambda x: x[0], factor)
+                return pvi.ServerState(new_state.q, state.round), (factor, msg, s[0])
+
+            state, (factors, msgs, steps) = jax.lax.scan(one, state, (factors, data, masks, keys))
+            return pvi.ServerState(state.q, state.round + 1), factors, msgs, steps
+
+        return round_fn
+
+    client_jit = jax.jit(step)
+    server_jit = jax.jit(pvi.server_update)
+    ack_jit = jax.jit(pvi.acknowledge)
+
+    def round_fn(state, factors, data, masks, key):
+        keys = jax.random.split(key, masks.shape[0])
+        msgs = []
+        for k in range(masks.shape[0]):
+            pick = partial(_index, k=k)
+            msg, _ = client_jit(state.q, pick(factors), pick(data), masks[k], keys[k])
+            msgs.append(msg)
+        msgs = jax.tree_util.tree_map(lambda *xs: jnp.stack(xs), *msgs)
+        state, steps = server_jit(state, msgs)
+        return state, ack_jit(factors, msgs, steps), msgs, steps
+
+    return round_fn
+
+
+def _index(tree, k: int):
+    return jax.tree_util.tree_map(lambda x: x[k], tree)
