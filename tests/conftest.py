@@ -1,0 +1,46 @@
+from __future__ import annotations
+
+import jax
+import numpy as np
+import numpyro
+import numpyro.distributions as dist
+import pytest
+
+jax.config.update("jax_enable_x64", True)
+
+
+def linear_model(X, y=None, noise=0.5):
+    """Bayesian linear regression with known noise: the closed-form reference model."""
+    w = numpyro.sample("w", dist.Normal(0.0, 1.0).expand([X.shape[1]]).to_event(1))
+    with numpyro.plate("data", X.shape[0]):
+        numpyro.sample("y", dist.Normal(X @ w, noise), obs=y)
+
+
+def logistic_model(X, y=None):
+    w = numpyro.sample("w", dist.Normal(0.0, 1.0).expand([X.shape[1]]).to_event(1))
+    b = numpyro.sample("b", dist.Normal(0.0, 2.0))
+    with numpyro.plate("data", X.shape[0]):
+        numpyro.sample("y", dist.Bernoulli(logits=X @ w + b), obs=y)
+
+
+def exact_linear_posterior(X, y, noise=0.5):
+    prec = np.eye(X.shape[1]) + X.T @ X / noise**2
+    cov = np.linalg.inv(prec)
+    return cov @ X.T @ y / noise**2, cov
+
+
+@pytest.fixture
+def linear_data():
+    rng = np.random.default_rng(0)
+    X = rng.normal(size=(120, 3))
+    y = X @ np.array([1.0, -2.0, 0.5]) + 0.5 * rng.normal(size=120)
+    return X, y
+
+
+@pytest.fixture
+def logistic_data():
+    rng = np.random.default_rng(1)
+    X = rng.normal(size=(500, 3))
+    logits = X @ np.array([1.5, -1.0, 0.5]) + 0.3
+    y = (rng.uniform(size=500) < 1 / (1 + np.exp(-logits))).astype(float)
+    return X, y
