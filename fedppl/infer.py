@@ -107,7 +107,7 @@ class PVI:
         self.num_particles = int(num_particles)
         self.conjugate = conjugate
         self.elbo_samples = int(elbo_samples)
-        self._round_cache: dict = {}
+        self._compiled: dict = {}  # round and ELBO functions, reused by later runs
 
     # -- set-up --------------------------------------------------------------------------------
 
@@ -141,11 +141,13 @@ class PVI:
             raise ValueError(f"num_rounds must be positive, got {num_rounds}")
         solver = self._solver(clients)
         K = clients.num_clients
-        factors = self.init_factors(K) if factors is None else factors
+        factors = self.init_factors(K) if factors is None else g.strong(factors)
         state = pvi.init(self.guide.prior, factors)
         data, masks = clients.stacked, clients.mask
-        round_fn = make_round(solver, self.damping, self.schedule)
-        elbo_fn = self._elbo_fn(solver) if self.elbo_samples > 0 else None
+        if solver not in self._compiled:
+            self._compiled[solver] = (make_round(solver, self.damping, self.schedule),
+                                      self._elbo_fn(solver) if self.elbo_samples > 0 else None)
+        round_fn, elbo_fn = self._compiled[solver]
         down = g.num_bytes(state.q)
         up = g.num_bytes(jax.tree_util.tree_map(lambda x: x[0], factors))
         hist: dict[str, list] = {k: [] for k in ("free_energy", "elbo", "messages_up",

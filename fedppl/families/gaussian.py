@@ -42,6 +42,7 @@ __all__ = [
     "damp",
     "scale",
     "zeros_like",
+    "strong",
     "to_moments",
     "mean_and_scale_tril",
     "kl",
@@ -124,8 +125,14 @@ def damp(old: Gaussian, new: Gaussian, rho: Array | float) -> Gaussian:
 
 
 def zeros_like(g: Gaussian) -> Gaussian:
-    """The flat (uniform) factor of the same family and shape."""
-    return jax.tree_util.tree_map(jnp.zeros_like, g)
+    """The flat (uniform) factor of the same family, shape and (strong) dtype."""
+    return jax.tree_util.tree_map(lambda x: jnp.zeros(jnp.shape(x), jnp.result_type(x)), g)
+
+
+def strong(g: Gaussian) -> Gaussian:
+    """The same Gaussian with JAX's weak types removed, so that jitted rounds see one input type
+    from the first round on (priors built from Python floats are weakly typed)."""
+    return jax.tree_util.tree_map(lambda x: jnp.asarray(x, dtype=jnp.result_type(x)), g)
 
 
 # -- conversions ---------------------------------------------------------------------------------

@@ -60,7 +60,7 @@ class PVIGuide:
             self.layout = SiteLayout.from_model(
                 self.model, *args, global_sites=self.global_sites, **kwargs
             )
-            self.prior = prior_factor(self.layout, self.family)
+            self.prior = g.strong(prior_factor(self.layout, self.family))
         return self
 
     def _require_setup(self) -> SiteLayout:

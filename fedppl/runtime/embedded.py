@@ -20,7 +20,7 @@ from functools import partial
 from typing import Callable
 
 import jax
-import jax.numpy as jnp
+import numpy as np
 from jax import Array
 
 from fedppl.algorithms import pvi
@@ -81,13 +81,13 @@ def make_round(solver: pvi.LocalSolver, damping: float, schedule: str) -> RoundF
     ack_jit = jax.jit(pvi.acknowledge)
 
     def round_fn(state, factors, data, masks, key):
-        keys = jax.random.split(key, masks.shape[0])
+        # each client holds its own arrays (host copies), as it would on its own machine
+        factors_h, data_h, masks_h = jax.device_get((factors, data, masks))
         msgs = []
-        for k in range(masks.shape[0]):
-            pick = partial(_index, k=k)
-            msg, _ = client_jit(state.q, pick(factors), pick(data), masks[k], keys[k])
-            msgs.append(msg)
-        msgs = jax.tree_util.tree_map(lambda *xs: jnp.stack(xs), *msgs)
+        for k, key_k in enumerate(jax.random.split(key, masks.shape[0])):
+            inputs = _index((factors_h, data_h, masks_h), k)
+            msgs.append(jax.device_get(client_jit(state.q, *inputs, key_k)[0]))
+        msgs = jax.tree_util.tree_map(lambda *xs: np.stack(xs), *msgs)
         state, steps = server_jit(state, msgs)
         return state, ack_jit(factors, msgs, steps), msgs, steps
 

@@ -1,0 +1,27 @@
+# Two commands do all the set-up on a fresh machine:
+#   make demo   - create/refresh .venv, install fedppl, run the federated demo (table + plot)
+#   make test   - create/refresh .venv, install fedppl with test extras, run the test suite
+PYTHON ?= $(shell command -v python3.11 || command -v python3)
+VENV   := .venv
+BIN    := $(VENV)/bin
+STAMP  := $(VENV)/.installed
+
+.PHONY: demo test bench clean
+
+$(STAMP): pyproject.toml
+	$(PYTHON) -m venv $(VENV)
+	$(BIN)/python -m pip install --quiet --upgrade pip
+	$(BIN)/python -m pip install --quiet -e ".[dev,arviz]"
+	touch $(STAMP)
+
+demo: $(STAMP)
+	$(BIN)/fedppl demo
+
+test: $(STAMP)
+	$(BIN)/python -m pytest
+
+bench: $(STAMP)
+	$(BIN)/python benchmarks/pvi_rounds.py
+
+clean:
+	rm -rf $(VENV) .pytest_cache

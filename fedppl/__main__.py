@@ -1,0 +1,3 @@
+from fedppl.cli import main
+
+raise SystemExit(main())
