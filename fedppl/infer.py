@@ -86,12 +86,15 @@ class PVI:
     :param conjugate: ``"auto"`` uses the closed-form update when the likelihood is Gaussian and
         affine in the global sites; ``True`` requires it; ``False`` never uses it.
     :param elbo_samples: Monte Carlo samples for the per-round global ELBO (0 to skip it).
+    :param clients_per_round: if given, that many clients, drawn at random each round, take part;
+        the others send nothing and keep their factors (client sampling, or clients that dropped
+        out of the round).
     """
 
     def __init__(self, model: Callable, guide: PVIGuide, schedule: str = "sequential",
                  damping: float = 1.0, optimizer: optax.GradientTransformation | None = None,
                  local_steps: int = 200, num_particles: int = 8, conjugate: bool | str = "auto",
-                 elbo_samples: int = 64):
+                 elbo_samples: int = 64, clients_per_round: int | None = None):
         if not 0.0 < damping <= 1.0:
             raise ValueError(f"damping must be in (0, 1], got {damping}")
         if conjugate not in ("auto", True, False):
@@ -107,6 +110,9 @@ class PVI:
         self.num_particles = int(num_particles)
         self.conjugate = conjugate
         self.elbo_samples = int(elbo_samples)
+        if clients_per_round is not None and clients_per_round < 1:
+            raise ValueError(f"clients_per_round must be positive, got {clients_per_round}")
+        self.clients_per_round = clients_per_round
         self._compiled: dict = {}  # round and ELBO functions, reused by later runs
 
     # -- set-up --------------------------------------------------------------------------------
@@ -157,31 +163,41 @@ class PVI:
         bar = tqdm(range(num_rounds), desc=f"PVI ({self.schedule})", disable=not progress_bar,
                    leave=False)
         for r in bar:
-            rng_key, k_round, k_elbo = jax.random.split(rng_key, 3)
+            rng_key, k_round, k_elbo, k_pick = jax.random.split(rng_key, 4)
+            active = self._participants(k_pick, K)
             t0 = time.perf_counter()
-            state, factors, msgs, steps = round_fn(state, factors, data, masks, k_round)
+            state, factors, msgs, steps = round_fn(state, factors, data, masks, k_round, active)
             jax.block_until_ready(state.q)
             hist["seconds"].append(time.perf_counter() - t0)
-            fe = np.asarray(msgs.free_energy)
+            active = np.asarray(active)
             self._report(r, clients, np.asarray(steps), np.asarray(msgs.cavity_repaired),
-                         rejected)
-            hist["free_energy"].append(fe)
-            hist["messages_up"].append(K)
-            hist["messages_down"].append(K)
-            hist["bytes_up"].append(K * up)
-            hist["bytes_down"].append(K * down)
+                         active, rejected)
+            hist["free_energy"].append(np.where(active, np.asarray(msgs.free_energy), np.nan))
+            n = int(active.sum())
+            hist["messages_up"].append(n)
+            hist["messages_down"].append(n)
+            hist["bytes_up"].append(n * up)
+            hist["bytes_down"].append(n * down)
             elbo = float(elbo_fn(state.q, data, masks, k_elbo)) if elbo_fn else np.nan
             hist["elbo"].append(elbo)
             bar.set_postfix(elbo=f"{elbo:.4g}")
         return PVIResult(self.guide, state.q, factors, {k: np.asarray(v) for k, v in hist.items()},
                          rejected, clients.names)
 
+    def _participants(self, key: Array, num_clients: int) -> Array:
+        """Booleans marking this round's clients (all, or a random ``clients_per_round``)."""
+        m = self.clients_per_round
+        if m is None or m >= num_clients:
+            return jnp.ones(num_clients, bool)
+        chosen = jax.random.permutation(key, num_clients)[:m]
+        return jnp.zeros(num_clients, bool).at[chosen].set(True)
+
     @staticmethod
     def _report(r: int, clients: Clients, steps: np.ndarray, repaired: np.ndarray,
-                rejected: list) -> None:
+                active: np.ndarray, rejected: list) -> None:
         """One warning per kind of trouble per round, naming the clients."""
         names = clients.names
-        bad = np.nonzero(steps == 0)[0]
+        bad = np.nonzero(active & (steps == 0))[0]
         reason = "update not finite, or q not positive definite with it"
         for k in bad:
             rejected.append((r + 1, names[k], reason))
@@ -193,7 +209,7 @@ class PVI:
             warnings.warn(f"round {r + 1}: updates of {_list(names, shrunk)} applied with step "
                           f"{steps[shrunk].min():.3g} to keep q positive definite",
                           RuntimeWarning, stacklevel=3)
-        fixed = np.nonzero(repaired)[0]
+        fixed = np.nonzero(active & repaired)[0]
         if len(fixed):
             warnings.warn(f"round {r + 1}: cavities of {_list(names, fixed)} were not positive "
                           "definite and were repaired (eigenvalues clipped)", RuntimeWarning,

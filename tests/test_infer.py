@@ -205,3 +205,29 @@ def test_argument_checks():
             jax.random.key(0), fedppl.Clients.from_list([(np.ones((2, 1)), np.ones(2))]), 1)
     with pytest.raises(ValueError, match="family"):
         PVIGuide(linear_model, family="lowrank")
+
+
+def test_client_sampling_converges_and_counts_only_participants(linear_data, unequal_clients):
+    X, y = linear_data
+    pvi = fedppl.PVI(linear_model, PVIGuide(linear_model, family="fullrank"),
+                     schedule="synchronous", damping=0.5, clients_per_round=3)
+    result = pvi.run(jax.random.key(0), unequal_clients, 60, progress_bar=False)
+    assert np.all(result.history["messages_up"] == 3)
+    assert np.all(np.sum(np.isfinite(result.history["free_energy"]), axis=1) == 3)
+    assert result.rejected == []
+    mean, cov = result.mean_and_cov()
+    exact_mean, exact_cov = exact_linear_posterior(X, y)
+    np.testing.assert_allclose(mean, exact_mean, rtol=1e-6, atol=1e-9)
+    np.testing.assert_allclose(cov, exact_cov, rtol=1e-6, atol=1e-9)
+
+
+def test_loop_schedule_matches_vmap_with_dropouts(logistic_data):
+    X, y = logistic_data
+    clients = fedppl.partition.homogeneous(X, y, 5)
+    out = {}
+    for schedule in ["synchronous", "loop"]:
+        pvi = fedppl.PVI(logistic_model, PVIGuide(logistic_model), schedule=schedule,
+                         damping=0.5, local_steps=20, clients_per_round=3, elbo_samples=0)
+        out[schedule] = pvi.run(jax.random.key(0), clients, 3, progress_bar=False)
+    np.testing.assert_allclose(out["loop"].q.nat1, out["synchronous"].q.nat1, rtol=1e-8)
+    np.testing.assert_allclose(out["loop"].q.prec, out["synchronous"].q.prec, rtol=1e-8)

@@ -139,12 +139,17 @@ def client_update(q: g.Gaussian, factor: g.Gaussian, data: tuple, mask: Array, r
     return ClientMessage(g.quotient(new_factor, factor), free_energy, repaired), new_factor
 
 
-def server_update(state: ServerState, messages: ClientMessage) -> tuple[ServerState, Array]:
+def server_update(state: ServerState, messages: ClientMessage, received: Array | None = None
+                  ) -> tuple[ServerState, Array]:
     """Apply the finite deltas (stacked on axis 0), halving the step while q is not PD.
 
-    Returns the new state and the step each client's delta was applied with (0 = rejected).
+    ``received`` (booleans, one per message) marks the clients that replied this round; the
+    others' slots are ignored. Returns the new state and the step each client's delta was applied
+    with (0 = not applied).
     """
     ok = g.is_finite(messages.delta)
+    if received is not None:
+        ok = ok & received
     clean = jax.tree_util.tree_map(
         lambda d: jnp.where(ok.reshape(ok.shape + (1,) * (d.ndim - 1)), d, 0.0), messages.delta
     )

@@ -11,7 +11,7 @@ A round is one compiled function:
 Example::
 
     >>> round_fn = make_round(solver, damping=0.5, schedule="synchronous")
-    >>> state, factors, msgs, steps = round_fn(state, factors, data, masks, key)
+    >>> state, factors, msgs, steps = round_fn(state, factors, data, masks, key, active)
 """
 
 from __future__ import annotations
@@ -37,7 +37,8 @@ RoundFn = Callable[
 
 
 def make_round(solver: pvi.LocalSolver, damping: float, schedule: str) -> RoundFn:
-    """A function ``(state, factors, data, masks, key) -> (state, factors, messages, steps)``."""
+    """A function ``(state, factors, data, masks, key, active) -> (state, factors, messages,
+    steps)``; ``active`` (K booleans) marks the clients taking part in the round."""
     if schedule not in SCHEDULES:
         raise ValueError(f"schedule must be one of {SCHEDULES}, got {schedule!r}")
     step = partial(pvi.client_update, solver=solver, damping=damping)
@@ -45,10 +46,10 @@ def make_round(solver: pvi.LocalSolver, damping: float, schedule: str) -> RoundF
     if schedule == "synchronous":
 
         @jax.jit
-        def round_fn(state, factors, data, masks, key):
+        def round_fn(state, factors, data, masks, key, active):
             keys = jax.random.split(key, masks.shape[0])
             msgs, _ = jax.vmap(step, in_axes=(None, 0, 0, 0, 0))(state.q, factors, data, masks, keys)
-            state, steps = pvi.server_update(state, msgs)
+            state, steps = pvi.server_update(state, msgs, active)
             return state, pvi.acknowledge(factors, msgs, steps), msgs, steps
 
         return round_fn
@@ -56,22 +57,23 @@ def make_round(solver: pvi.LocalSolver, damping: float, schedule: str) -> RoundF
     if schedule == "sequential":
 
         @jax.jit
-        def round_fn(state, factors, data, masks, key):
+        def round_fn(state, factors, data, masks, key, active):
             keys = jax.random.split(key, masks.shape[0])
 
             def one(state, inputs):
-                factor, data_k, mask_k, key_k = inputs
+                factor, data_k, mask_k, key_k, active_k = inputs
                 msg, _ = step(state.q, factor, data_k, mask_k, key_k)
                 batch = jax.tree_util.tree_map(lambda x: x[None], msg)
                 q_only = pvi.ServerState(state.q, state.round)
-                new_state, s = pvi.server_update(q_only, batch)
+                new_state, s = pvi.server_update(q_only, batch, active_k[None])
                 factor = pvi.acknowledge(
                     jax.tree_util.tree_map(lambda x: x[None], factor), batch, s
                 )
                 factor = jax.tree_util.tree_map(lambda x: x[0], factor)
                 return pvi.ServerState(new_state.q, state.round), (factor, msg, s[0])
 
-            state, (factors, msgs, steps) = jax.lax.scan(one, state, (factors, data, masks, keys))
+            state, (factors, msgs, steps) = jax.lax.scan(
+                one, state, (factors, data, masks, keys, active))
             return pvi.ServerState(state.q, state.round + 1), factors, msgs, steps
 
         return round_fn
@@ -80,15 +82,18 @@ def make_round(solver: pvi.LocalSolver, damping: float, schedule: str) -> RoundF
     server_jit = jax.jit(pvi.server_update)
     ack_jit = jax.jit(pvi.acknowledge)
 
-    def round_fn(state, factors, data, masks, key):
+    def round_fn(state, factors, data, masks, key, active):
         # each client holds its own arrays (host copies), as it would on its own machine
         factors_h, data_h, masks_h = jax.device_get((factors, data, masks))
-        msgs = []
+        replies = {}
         for k, key_k in enumerate(jax.random.split(key, masks.shape[0])):
-            inputs = _index((factors_h, data_h, masks_h), k)
-            msgs.append(jax.device_get(client_jit(state.q, *inputs, key_k)[0]))
+            if active[k]:
+                inputs = _index((factors_h, data_h, masks_h), k)
+                replies[k] = jax.device_get(client_jit(state.q, *inputs, key_k)[0])
+        blank = jax.tree_util.tree_map(np.zeros_like, next(iter(replies.values())))
+        msgs = [replies.get(k, blank) for k in range(masks.shape[0])]
         msgs = jax.tree_util.tree_map(lambda *xs: np.stack(xs), *msgs)
-        state, steps = server_jit(state, msgs)
+        state, steps = server_jit(state, msgs, active)
         return state, ack_jit(factors, msgs, steps), msgs, steps
 
     return round_fn
