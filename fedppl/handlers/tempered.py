@@ -6,6 +6,10 @@ of the named latent sites contributes ``alpha * (log p - log q)``: the HVM's alp
 ``KL[q(Z) || q_cavity(Z)]`` (Sec. 4 of the federated sparse GP paper). Observed sites and other
 sites are untouched.
 
+The guide must sample each named site directly (``numpyro.sample("Z", dist.Normal(...))``). A
+guide that draws it through an auxiliary site (as AutoContinuous and ``PVIGuide`` do, with a
+Delta at the named site) keeps its entropy term unscaled.
+
 Example::
 
     >>> loss = Trace_ELBO().loss(key, params, tempered(model, alpha=0.1, sites=["Z"]),
