@@ -8,12 +8,13 @@ Example::
     >>> result = fedppl.PVI(model, PVIGuide(model)).run(jax.random.key(0), clients, num_rounds=10)
 """
 
-from fedppl import families, handlers, partition
+from fedppl import datasets, families, handlers, metrics, partition
 from fedppl.clients import Clients
+from fedppl.fedbnr import FedBNR
 from fedppl.guides import PVIGuide
 from fedppl.infer import PVI, GlobalVI, PVIResult
 
 __version__ = "0.1.0"
 
-__all__ = ["PVI", "GlobalVI", "PVIResult", "PVIGuide", "Clients", "partition", "handlers",
-           "families", "__version__"]
+__all__ = ["PVI", "GlobalVI", "PVIResult", "PVIGuide", "FedBNR", "Clients", "partition",
+           "handlers", "families", "metrics", "datasets", "__version__"]

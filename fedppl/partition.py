@@ -18,7 +18,7 @@ import numpy as np
 
 from fedppl.clients import Clients
 
-__all__ = ["homogeneous", "by_feature", "by_group", "dirichlet", "from_indices"]
+__all__ = ["homogeneous", "by_feature", "by_group", "dirichlet", "from_indices", "paired_chunks"]
 
 
 def _check(X: np.ndarray, y: np.ndarray, num_clients: int | None = None) -> tuple[np.ndarray, np.ndarray]:
@@ -49,6 +49,17 @@ def homogeneous(X: np.ndarray, y: np.ndarray, num_clients: int, seed: int = 0) -
     return from_indices(X, y, np.array_split(perm, num_clients))
 
 
+def _feature_order(X: np.ndarray, y: np.ndarray, feature: int | None) -> np.ndarray:
+    """Row order by ``X[:, feature]``; ``None`` takes the feature most correlated with ``y``."""
+    if feature is None:
+        Xc, yc = X - X.mean(0), (y - y.mean()).reshape(-1)
+        denom = np.sqrt((Xc**2).sum(0) * (yc**2).sum()) + 1e-300
+        feature = int(np.argmax(np.abs(Xc.T @ yc) / denom))
+    if not 0 <= feature < X.shape[1]:
+        raise ValueError(f"feature {feature} out of range for {X.shape[1]} features")
+    return np.argsort(X[:, feature], kind="stable")
+
+
 def by_feature(X: np.ndarray, y: np.ndarray, num_clients: int, feature: int | None = None,
                sizes: Sequence[int] | None = None) -> Clients:
     """Inhomogeneous split: sort by one input feature and cut into contiguous chunks.
@@ -57,13 +68,7 @@ def by_feature(X: np.ndarray, y: np.ndarray, num_clients: int, feature: int | No
     (the choice of the FedBNR paper). ``sizes`` gives unequal chunk sizes (summing to N).
     """
     X, y = _check(X, y, num_clients)
-    if feature is None:
-        Xc, yc = X - X.mean(0), (y - y.mean()).reshape(-1)
-        denom = np.sqrt((Xc**2).sum(0) * (yc**2).sum()) + 1e-300
-        feature = int(np.argmax(np.abs(Xc.T @ yc) / denom))
-    if not 0 <= feature < X.shape[1]:
-        raise ValueError(f"feature {feature} out of range for {X.shape[1]} features")
-    order = np.argsort(X[:, feature], kind="stable")
+    order = _feature_order(X, y, feature)
     if sizes is None:
         chunks = np.array_split(order, num_clients)
     else:
@@ -109,3 +114,21 @@ def dirichlet(X: np.ndarray, y: np.ndarray, num_clients: int, alpha: float, seed
         f"could not give every one of {num_clients} clients {min_size} points in {max_tries} "
         f"draws with alpha={alpha}; raise alpha or lower num_clients"
     )
+
+
+def paired_chunks(X: np.ndarray, y: np.ndarray, num_clients: int, seed: int = 0,
+                  feature: int | None = None) -> Clients:
+    """Heterogeneous split of the FedBNR paper: each client gets two random sorted chunks.
+
+    Sort by ``feature`` (``None``: the feature most correlated with ``y``, as in
+    :func:`by_feature`), cut into ``2 * num_clients`` contiguous near-equal chunks, and pair the
+    chunks off at random (a permutation, without replacement). Client ``k`` holds its two chunks
+    in sorted-feature order.
+    """
+    X, y = _check(X, y, num_clients)
+    if X.shape[0] < 2 * num_clients:
+        raise ValueError(f"{num_clients} clients need at least {2 * num_clients} data points "
+                         f"(two chunks each), got {X.shape[0]}")
+    chunks = np.array_split(_feature_order(X, y, feature), 2 * num_clients)
+    pairs = np.random.default_rng(seed).permutation(2 * num_clients).reshape(num_clients, 2)
+    return from_indices(X, y, [np.concatenate([chunks[i] for i in np.sort(p)]) for p in pairs])

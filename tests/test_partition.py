@@ -75,3 +75,60 @@ def test_pooled_and_subset(xy):
     p = c.pooled()
     assert p.num_clients == 1 and p.sizes[0] == 103
     assert c.subset([1, 3]).names == ("client 1", "client 3")
+
+
+def _chunk_ids(c, X, feature, num_chunks):
+    """For each client, the chunk numbers (of ``num_chunks`` sorted chunks) its rows fall in."""
+    ranks = np.argsort(np.argsort(X[:, feature], kind="stable"), kind="stable")
+    rank_of = dict(zip(X[:, feature].tolist(), ranks.tolist()))
+    bounds = np.cumsum([len(a) for a in np.array_split(np.arange(len(X)), num_chunks)])
+    return [np.searchsorted(bounds, [rank_of[v] for v in d[0][:, feature]], side="right")
+            for d in c.data]
+
+
+def test_paired_chunks_gives_each_client_two_sorted_chunks(xy):
+    X, y = xy
+    K = 5
+    c = partition.paired_chunks(X, y, K, seed=0)  # feature 2 is the most correlated with y
+    assert c.num_clients == K and c.sizes.sum() == 103
+    rows = np.sort(np.concatenate([d[0][:, 0] for d in c.data]))
+    np.testing.assert_array_equal(rows, np.sort(X[:, 0]))  # every row exactly once
+    sizes = [len(a) for a in np.array_split(np.arange(103), 2 * K)]
+    ids = _chunk_ids(c, X, 2, 2 * K)
+    seen = []
+    for k, chunk in enumerate(ids):
+        pair = np.unique(chunk)
+        assert len(pair) == 2, f"client {k} has chunks {pair}"
+        assert c.sizes[k] == sizes[pair[0]] + sizes[pair[1]]  # whole chunks, nothing else
+        seen.extend(pair.tolist())
+    assert sorted(seen) == list(range(2 * K))  # pairs drawn without replacement
+    y_of = dict(zip(X[:, 2].tolist(), y.tolist()))  # rows keep their targets
+    assert all(y_of[x] == v for d in c.data for x, v in zip(d[0][:, 2].tolist(), d[1].tolist()))
+
+
+def test_paired_chunks_seed_and_feature(xy):
+    X, y = xy
+
+    def pairing(c, feature=2):
+        return [tuple(np.unique(i)) for i in _chunk_ids(c, X, feature, 8)]
+
+    a, b = partition.paired_chunks(X, y, 4, seed=3), partition.paired_chunks(X, y, 4, seed=3)
+    for da, db in zip(a.data, b.data):
+        np.testing.assert_array_equal(da[0], db[0])
+    pairings = {tuple(pairing(partition.paired_chunks(X, y, 4, seed=s))) for s in range(5)}
+    assert len(pairings) > 1  # different seeds, different pairings
+    f = partition.paired_chunks(X, y, 4, seed=0, feature=0)
+    assert all(len(p) == 2 for p in pairing(f, feature=0))
+    assert not all(len(p) == 2 for p in pairing(f, feature=2))
+
+
+def test_paired_chunks_needs_two_points_per_client(xy):
+    X, y = xy
+    c = partition.paired_chunks(X[:10], y[:10], 5)
+    np.testing.assert_array_equal(c.sizes, [2] * 5)
+    with pytest.raises(ValueError, match="6 clients need at least 12 data points"):
+        partition.paired_chunks(X[:10], y[:10], 6)
+    with pytest.raises(ValueError, match="num_clients must be at least 1"):
+        partition.paired_chunks(X, y, 0)
+    with pytest.raises(ValueError, match="feature 4 out of range"):
+        partition.paired_chunks(X, y, 2, feature=4)

@@ -1,0 +1,110 @@
+"""Exact federated Bayesian linear regression from sufficient statistics (FedBNR phase 2).
+
+For ``y = Phi w + noise``, ``w ~ N(0, lambda^2 I)``, the posterior depends on the data only through
+``S = Phi^T Phi`` and ``b = Phi^T y``, which add up over clients (FedBNR paper, Eqs. 20-21):
+
+    A = S / sigma^2 + I / lambda^2,    w_bar = A^-1 b / sigma^2.
+
+Each client sends :class:`Stats` (``S``, ``b`` and its count): sizes fixed by the feature dimension,
+never by its number of points. A client's statistics are exactly its likelihood as a Gaussian
+factor in ``w`` (:func:`likelihood_factor`), so the server's posterior is the prior times the sum
+of the factors, computed with :mod:`fedppl.families.gaussian`.
+
+Example::
+
+    >>> msgs = [client_stats(Phi_k, y_k) for Phi_k, y_k in parts]      # on the clients
+    >>> post = posterior(aggregate(msgs), noise=0.5, prior_scale=1.0)  # on the server
+    >>> mean, var = predict(post, Phi_test, noise=0.5)
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple, Sequence
+
+import jax.numpy as jnp
+import jax.scipy.linalg as jsl
+import numpy as np
+from jax import Array
+
+from fedppl.families import gaussian as g
+
+__all__ = ["Stats", "client_stats", "validate", "aggregate", "likelihood_factor", "posterior",
+           "predict", "log_marginal_likelihood"]
+
+
+class Stats(NamedTuple):
+    """What a client sends: ``scatter = Phi^T Phi (D, D)``, ``proj = Phi^T y (D,)``, ``count``."""
+
+    scatter: Array
+    proj: Array
+    count: Array
+
+
+def client_stats(features: Array, y: Array, mask: Array | None = None) -> Stats:
+    """Sufficient statistics of one client's (optionally padded and masked) data."""
+    if mask is not None:
+        features = features * mask[:, None]
+        y = y * mask
+        count = jnp.sum(mask)
+    else:
+        count = jnp.asarray(features.shape[0])
+    return Stats(features.T @ features, features.T @ y, count)
+
+
+def validate(stats: Stats, dim: int, who: str = "client") -> None:
+    """Host-side checks of a received message; raises ``ValueError`` naming the sender."""
+    scatter, proj = np.asarray(stats.scatter), np.asarray(stats.proj)
+    if scatter.shape != (dim, dim) or proj.shape != (dim,):
+        raise ValueError(f"{who} sent statistics of shapes {scatter.shape} and {proj.shape}; the "
+                         f"global features have dimension {dim}")
+    if not (np.all(np.isfinite(scatter)) and np.all(np.isfinite(proj))
+            and np.isfinite(stats.count)):
+        raise ValueError(f"{who} sent non-finite statistics")
+    if float(stats.count) < 0:
+        raise ValueError(f"{who} sent a negative count")
+    if not np.allclose(scatter, scatter.T, rtol=1e-8, atol=1e-8 * (1 + np.abs(scatter).max())):
+        raise ValueError(f"{who} sent a scatter matrix that is not symmetric")
+
+
+def aggregate(messages: Sequence[Stats], names: Sequence[str] | None = None) -> Stats:
+    """Validate every message (naming the client at fault) and add them up."""
+    if len(messages) == 0:
+        raise ValueError("no client statistics to aggregate")
+    names = list(names) if names is not None else [f"client {k}" for k in range(len(messages))]
+    dim = np.shape(messages[0].proj)[0]
+    for m, who in zip(messages, names):
+        validate(m, dim, who)
+    total = Stats(*(sum(np.asarray(m[i], dtype=np.float64) for m in messages) for i in range(3)))
+    if float(total.count) == 0:
+        raise ValueError("no client holds any data: the posterior would be the prior alone")
+    return Stats(*(jnp.asarray(x) for x in total))
+
+
+def likelihood_factor(stats: Stats, noise: Array | float) -> g.FullGaussian:
+    """The likelihood of the data behind ``stats`` as a Gaussian factor in ``w``."""
+    return g.FullGaussian(stats.proj / noise**2, stats.scatter / noise**2)
+
+
+def posterior(stats: Stats, noise: Array | float, prior_scale: Array | float) -> g.FullGaussian:
+    """``N(w_bar, A^-1)`` in natural parameters: the prior times the likelihood factor."""
+    dim = stats.proj.shape[-1]
+    prior = g.FullGaussian(jnp.zeros(dim), jnp.eye(dim) / prior_scale**2)
+    return g.product(prior, likelihood_factor(stats, noise))
+
+
+def predict(post: g.FullGaussian, features: Array, noise: Array | float) -> tuple[Array, Array]:
+    """Predictive mean and variance (observation noise included) at ``features (n, D)``."""
+    chol = jnp.linalg.cholesky(post.prec)
+    mean = jsl.cho_solve((chol, True), post.nat1)
+    half = jsl.solve_triangular(chol, features.T, lower=True)
+    return features @ mean, jnp.sum(half**2, axis=0) + noise**2
+
+
+def log_marginal_likelihood(stats: Stats, yy: Array, noise: Array, prior_scale: Array) -> Array:
+    """``log N(y | 0, sigma^2 I + lambda^2 Phi Phi^T)`` from the statistics and ``yy = y^T y``."""
+    dim = stats.proj.shape[-1]
+    A = stats.scatter / noise**2 + jnp.eye(dim) / prior_scale**2
+    chol = jnp.linalg.cholesky(A)
+    half = jsl.solve_triangular(chol, stats.proj / noise**2, lower=True)
+    return (-0.5 * stats.count * jnp.log(2 * jnp.pi * noise**2) - dim * jnp.log(prior_scale)
+            - jnp.sum(jnp.log(jnp.diagonal(chol))) - 0.5 * (yy / noise**2 - half @ half))

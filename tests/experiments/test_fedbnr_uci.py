@@ -1,0 +1,50 @@
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from fedppl.cli import main
+from fedppl.experiments import fedbnr_uci
+from fedppl.models.random_features import URKSpec
+
+
+@pytest.fixture
+def uci_folder(tmp_path: Path) -> Path:
+    """A small dataset in the UCI folder layout (the real data are not needed here)."""
+    rng = np.random.default_rng(0)
+    X = rng.normal(size=(300, 3))
+    y = 10 + 4 * np.sin(X[:, 0]) + X[:, 1] + 0.2 * rng.normal(size=300)
+    np.savetxt(tmp_path / "data.txt", np.column_stack([X, y]))
+    (tmp_path / "index_features.txt").write_text("0\n1\n2\n")
+    (tmp_path / "index_target.txt").write_text("3\n")
+    return tmp_path
+
+
+def test_every_variant_reports_metrics_in_original_units(uci_folder):
+    small = URKSpec(3, feature_widths=(6, 3), shift_widths=(), num_samples=10)
+    rows = fedbnr_uci.run(str(uci_folder), 4, list(fedbnr_uci.VARIANTS), spec=small, rounds=2,
+                          local_steps=5, kd_steps=5)
+    assert set(rows) == set(fedbnr_uci.VARIANTS)
+    for r in rows.values():
+        assert {"rmse", "log_lik", "ece", "mce", "brier"} <= set(r)
+        assert 0 < r["rmse"] < 10 and 0 <= r["ece"] <= r["mce"] <= 1
+    prep = fedbnr_uci.prepare(str(uci_folder), 4)
+    assert prep.clients.sizes.sum() == 240 and len(prep.test[1]) == 30
+    assert len(prep.kd_data[1]) == 24 and len(prep.kd_validation[1]) == 6
+
+
+def test_cli_writes_json(uci_folder, tmp_path, capsys):
+    out = tmp_path / "r.json"
+    assert main(["fedbnr", "--data", str(uci_folder), "--clients", "3", "--variant", "avg",
+                 "central", "--rounds", "2", "--local-steps", "3", "--json", str(out),
+                 "--no-progress"]) == 0
+    assert "| avg |" in capsys.readouterr().out
+    assert set(json.loads(out.read_text())["results"]) == {"avg", "central"}
+
+
+def test_unknown_variant(uci_folder):
+    with pytest.raises(ValueError, match="unknown variants"):
+        fedbnr_uci.run(str(uci_folder), 2, ["fedprox"])
