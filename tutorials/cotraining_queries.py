@@ -28,7 +28,7 @@ jax.config.update("jax_enable_x64", True)
 problem = data.simulate_two_views(r=0.9, cond_indep=True, masked=True, n_obs=25, seed=0)
 parties, y_test = parties_of(problem)
 settings = ct.Settings("noisy", "full")
-out = run(parties, y_test, settings, rounds=10, seed=0, fit_steps=200)
+out = run(parties, y_test, settings, rounds=8, seed=0, fit_steps=150)
 print("test RMSE before:", np.round(out.rmse_before, 3), "after:", np.round(out.rmse_after, 3))
 print("oracle (masked, individual):", round(data.oracle_unexplained_sd(0.9, True, True, False), 3))
 
@@ -37,8 +37,8 @@ fig, axes = plt.subplots(1, 2, figsize=(11, 4), sharey=True)
 grid = np.linspace(-3, 3, 200)[:, None]
 for v, ax in enumerate(axes):
     state = out.states[v]
-    before = ct.init_party(v, parties[v].X, parties[v].y, parties[v].pool, 200)
-    for s, label, style in [(before, "before", "--"), (state, "after 10 rounds", "-")]:
+    before = ct.init_party(v, parties[v].X, parties[v].y, parties[v].pool, 150)
+    for s, label, style in [(before, "before", "--"), (state, "after 8 rounds", "-")]:
         mean, var = ct.predict(s, grid, settings)
         mean, sd = np.asarray(mean), np.sqrt(np.asarray(var))
         ax.plot(grid[:, 0], mean, style, label=f"mean {label}")
