@@ -16,6 +16,10 @@ folds the answers into its model by one of three combinations (from party 1's si
   covariance ``K_1([tr; q], [tr; q]) + blockdiag(s_1^2 I, V)``;
 * ``"hybrid"`` (Eq. 4.10): the co-training kernel of view 1 over all points (training, queried,
   prediction: transductive) and the other party's ``K_2(q, q) + V`` on the queried points.
+  Since that extra precision sits only on observed points, it drops out of the conditional of
+  the prediction points given the observed ones: Hybrid predicts like view 1's GP with the
+  answers as ordinary noisy observations, whatever ``V`` and ``K_2`` are (they would matter only
+  to a refit of the hyperparameters).
 
 Decisions where the thesis is silent: hyperparameters are fitted once by type-II ML on each
 party's private data and kept; a responder answers from its private-data model (so no answer

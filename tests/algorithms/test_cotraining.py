@@ -103,3 +103,17 @@ def test_dp_releases_are_noised_and_accounted(two_parties):
     with pytest.raises(ValueError, match="delta"):
         run(parties, yt, ct.Settings("noisy", "none", dp._replace(delta=1.5)), rounds=1,
             fit_steps=10)
+
+
+def test_hybrid_predictions_do_not_depend_on_the_reported_uncertainty(two_parties):
+    """Eq. 4.10 adds the other view's precision only on queried, hence observed, points; the
+    conditional of unobserved points given observed ones keeps the blocks Lambda_tt and
+    Lambda_to, so V and K_2 drop out of the predictions (they would matter only to a refit)."""
+    parties, _ = two_parties
+    a = ct.init_party(0, parties[0].X, parties[0].y, parties[0].pool, 100)
+    hybrid = ct.Settings("hybrid", "marginal")
+    answer = ct.Response(1, 4, 0.7, np.array([1e-3]), np.array([0.9]), 0.0)
+    sharp, _ = ct.predict(ct.receive(a, answer, hybrid), parties[0].test, hybrid)
+    vague = answer._replace(cov_row=np.array([50.0]), prior_row=np.array([3.0]))
+    other, _ = ct.predict(ct.receive(a, vague, hybrid), parties[0].test, hybrid)
+    np.testing.assert_allclose(sharp, other, atol=1e-8)
