@@ -223,7 +223,7 @@ class PVI:
 
             def per_client(q, data_k, mask_k, key):
                 lik = conjugate.likelihood_terms(client(model, mask=mask_k), guide.layout, *data_k)
-                mean, cov = g.to_moments(pvi._as_full(q))
+                mean, cov = g.to_moments(g.to_full(q))
                 return conjugate.expected_log_lik(lik, mean, cov)
 
         else:

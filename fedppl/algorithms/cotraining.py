@@ -40,6 +40,7 @@ from __future__ import annotations
 from typing import NamedTuple
 
 import jax.numpy as jnp
+import jax.scipy.linalg as jsl
 import numpy as np
 from jax import Array
 
@@ -230,20 +231,20 @@ def predict(state: PartyState, X_test: Array, settings: Settings) -> tuple[Array
     parts = list(state.received.values())
     Xq = state.pool[np.concatenate([r.pool_index for r in parts])]
     y_aug = jnp.concatenate([state.y, jnp.asarray(np.concatenate([r.mean for r in parts]))])
-    V = _block([r.V for r in parts])
+    V = jsl.block_diag(*[r.V for r in parts])
     n1, nq = state.X.shape[0], Xq.shape[0]
     X_aug = jnp.concatenate([state.X, Xq])
     if settings.combination == "noisy":
         extra = jnp.zeros((n1 + nq, n1 + nq)).at[n1:, n1:].set(V + JITTER * jnp.eye(nq))
         return gp.predict(p, X_aug, y_aug, X_test, extra=extra)
-    P = _block([r.prior for r in parts])
+    P = jsl.block_diag(*[r.prior for r in parts])
     if settings.combination == "blocky":
-        C = _block([gp.kernel(p, state.X, state.X) + p.noise_var * jnp.eye(n1),
+        C = jsl.block_diag(*[gp.kernel(p, state.X, state.X) + p.noise_var * jnp.eye(n1),
                     P + V + JITTER * jnp.eye(nq)])
         Ks = gp.kernel(p, X_aug, X_test)
         chol = jnp.linalg.cholesky(C)
-        mean = Ks.T @ jnp.linalg.solve(C, y_aug)
-        half = jnp.linalg.solve(chol, Ks)
+        mean = Ks.T @ jsl.cho_solve((chol, True), y_aug)
+        half = jsl.solve_triangular(chol, Ks, lower=True)
         return mean, jnp.maximum(jnp.exp(p.log_variance) - jnp.sum(half**2, 0), 1e-12)
     # hybrid: transductive co-training kernel over [train; queried; test]
     X_all = jnp.concatenate([X_aug, X_test])
@@ -253,20 +254,9 @@ def predict(state: PartyState, X_test: Array, settings: Settings) -> tuple[Array
                             (np.arange(n1, n1 + nq), P + V + JITTER * jnp.eye(nq))], n)
     obs, test = slice(0, n1 + nq), slice(n1 + nq, n)
     chol = jnp.linalg.cholesky(Kc[obs, obs])
-    mean = Kc[test, obs] @ jnp.linalg.solve(Kc[obs, obs], y_aug)
-    half = jnp.linalg.solve(chol, Kc[obs, test])
+    mean = Kc[test, obs] @ jsl.cho_solve((chol, True), y_aug)
+    half = jsl.solve_triangular(chol, Kc[obs, test], lower=True)
     return mean, jnp.maximum(jnp.diagonal(Kc[test, test]) - jnp.sum(half**2, 0), 1e-12)
-
-
-def _block(mats) -> Array:
-    mats = [jnp.asarray(m) for m in mats]
-    n = sum(m.shape[0] for m in mats)
-    out, at = jnp.zeros((n, n)), 0
-    for m in mats:
-        k = m.shape[0]
-        out = out.at[at:at + k, at:at + k].set(m)
-        at += k
-    return out
 
 
 def _check_settings(settings: Settings) -> None:

@@ -107,18 +107,12 @@ class ConjugateSolver(NamedTuple):
 
     def __call__(self, q_cavity, q, data, mask, rng_key):
         lik = conjugate.likelihood_terms(client(self.model, mask=mask), self.guide.layout, *data)
-        cav_full = _as_full(q_cavity)
+        cav_full = g.to_full(q_cavity)
         target = g.product(cav_full, conjugate.likelihood_factor(lik))
         q_new = g.project_diag(target) if self.guide.diag else target
-        mean, cov = g.to_moments(_as_full(q_new))
+        mean, cov = g.to_moments(g.to_full(q_new))
         free_energy = conjugate.expected_log_lik(lik, mean, cov) - g.kl(q_new, q_cavity)
         return q_new, free_energy
-
-
-def _as_full(q: g.Gaussian) -> g.FullGaussian:
-    if isinstance(q, g.FullGaussian):
-        return q
-    return g.FullGaussian(q.nat1, jnp.diag(q.prec))
 
 
 # -- the trio ------------------------------------------------------------------------------------

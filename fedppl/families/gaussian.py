@@ -53,6 +53,7 @@ __all__ = [
     "is_finite",
     "to_distribution",
     "project_diag",
+    "to_full",
     "num_bytes",
 ]
 
@@ -158,6 +159,13 @@ def mean_and_scale_tril(g: Gaussian) -> tuple[Array, Array]:
     if isinstance(g, DiagGaussian):
         return mean, jnp.sqrt(cov)
     return mean, jnp.linalg.cholesky(cov)
+
+
+def to_full(g: Gaussian) -> FullGaussian:
+    """The same Gaussian as a :class:`FullGaussian` (a diagonal precision made a matrix)."""
+    if isinstance(g, FullGaussian):
+        return g
+    return FullGaussian(g.nat1, g.prec[..., :, None] * jnp.eye(g.dim, dtype=g.prec.dtype))
 
 
 def project_diag(g: FullGaussian) -> DiagGaussian:
