@@ -7,10 +7,18 @@ its density is ``cosh(c/2)^b exp(-c^2 omega / 2) PG(omega; b, 0)``, so
 
 (the log-cosh term of Eq. 17 of the pFed-Mul paper). Both are even in ``c``.
 
+For a Bernoulli-logit observation ``y in {0, 1}`` the identity
+``sigmoid(f)^y sigmoid(-f)^(1-y) = 1/2 exp(kappa f) E_PG(1,0)[exp(-omega f^2 / 2)]`` with
+``kappa = y - 1/2`` makes the likelihood Gaussian in ``f`` given ``omega``: a site with natural
+parameters ``(kappa, E[omega])``, i.e. pseudo-observation ``kappa / E[omega]`` with precision
+``E[omega]``. With ``q(f)`` of mean ``m`` and variance ``v`` the optimal ``q(omega)`` is
+``PG(1, c)`` with ``c = sqrt(m^2 + v)``, and the augmented bound equals the Jaakkola-Jordan bound.
+
 Example::
 
     >>> mean(1.0, 0.0), kl_to_prior(1.0, 0.0)
     (0.25, 0.0)
+    >>> nat1, prec = gaussian_site(y, optimal_c(m, v))
 """
 
 from __future__ import annotations
@@ -18,7 +26,7 @@ from __future__ import annotations
 import jax.numpy as jnp
 from jax import Array
 
-__all__ = ["mean", "kl_to_prior", "log_cosh"]
+__all__ = ["mean", "kl_to_prior", "log_cosh", "optimal_c", "gaussian_site", "augmented_bound"]
 
 _SMALL = 1e-4
 
@@ -49,3 +57,25 @@ def kl_to_prior(b: Array | float, c: Array | float) -> Array:
     """
     c = jnp.asarray(c)
     return jnp.asarray(b) * log_cosh(c / 2.0) - 0.5 * c**2 * mean(b, c)
+
+
+def optimal_c(m: Array, v: Array) -> Array:
+    """The CAVI optimum ``c = sqrt(E[f^2]) = sqrt(m^2 + v)`` of ``q(omega) = PG(1, c)``."""
+    return jnp.sqrt(jnp.asarray(m) ** 2 + jnp.asarray(v))
+
+
+def gaussian_site(y: Array, c: Array) -> tuple[Array, Array]:
+    """Natural parameters ``(kappa, E[omega])`` of the Gaussian site in ``f`` for labels in {0, 1}."""
+    return jnp.asarray(y) - 0.5, mean(1.0, c)
+
+
+def augmented_bound(y: Array, m: Array, v: Array, c: Array | None = None) -> Array:
+    """``E_q[log p(y | f, omega)] - KL[q(omega) || PG(1, 0)]`` per observation, labels in {0, 1}.
+
+    ``q(f) = N(m, v)``, ``q(omega) = PG(1, c)``; ``c`` defaults to its optimum, where this equals
+    the Jaakkola-Jordan bound ``log sigmoid(c) + (kappa m - c / 2) - lambda(c) (m^2 + v - c^2)``.
+    """
+    c = optimal_c(m, v) if c is None else jnp.asarray(c)
+    kappa = jnp.asarray(y) - 0.5
+    return (-jnp.log(2.0) + kappa * m - 0.5 * (jnp.asarray(m) ** 2 + v) * mean(1.0, c)
+            - kl_to_prior(1.0, c))
