@@ -5,6 +5,7 @@ Example::
     $ fedppl demo --clients 10 --rounds 10 --out fedppl-demo.png
     $ fedppl fedbnr --data ../shared/data/uci/power-plant --clients 10 --variant avg kd
     $ fedppl cotrain --combination noisy --uncertainty full --masked --dp --json out.json
+    $ fedppl sgp --data ../shared/data/uci/concrete --split 0 --clients 10 --method dpo global
 """
 
 from __future__ import annotations
@@ -56,7 +57,16 @@ def _parser() -> argparse.ArgumentParser:
     co.add_argument("--delta", type=float, default=0.00625)
     co.add_argument("--seed", type=int, default=0)
     co.add_argument("--json", help="write the result here")
+    for module in _command_modules():
+        module.register(sub)
     return p
+
+
+def _command_modules() -> list:
+    """Subcommands that live in :mod:`fedppl.commands` (``register`` + ``run`` each)."""
+    from fedppl.commands import sgp
+
+    return [sgp]
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -70,6 +80,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         _fedbnr(args)
     elif args.command == "cotrain":
         _cotrain(args)
+    else:
+        commands = {m.__name__.rsplit(".", 1)[-1]: m for m in _command_modules()}
+        commands[args.command].run(args)
     return 0
 
 
