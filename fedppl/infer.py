@@ -24,7 +24,7 @@ import optax
 from jax import Array
 from tqdm.auto import tqdm
 
-from fedppl.algorithms import conjugate, pvi
+from fedppl.algorithms import conjugate, polya_gamma, pvi
 from fedppl.clients import Clients
 from fedppl.families import gaussian as g
 from fedppl.guides.pvi_guide import PVIGuide
@@ -84,7 +84,10 @@ class PVI:
     :param local_steps: optimiser steps per client update.
     :param num_particles: Monte Carlo samples per ELBO estimate.
     :param conjugate: ``"auto"`` uses the closed-form update when the likelihood is Gaussian and
-        affine in the global sites; ``True`` requires it; ``False`` never uses it.
+        affine in the global sites; ``True`` requires it; ``False`` never uses it;
+        ``"polya-gamma"`` uses closed-form Polya-Gamma CAVI updates for Bernoulli-logit models
+        (the Jaakkola-Jordan bound; ``local_steps`` caps the CAVI sweeps), see
+        :mod:`fedppl.algorithms.polya_gamma`.
     :param elbo_samples: Monte Carlo samples for the per-round global ELBO (0 to skip it).
     :param clients_per_round: if given, that many clients, drawn at random each round, take part;
         the others send nothing and keep their factors (client sampling, or clients that dropped
@@ -97,8 +100,9 @@ class PVI:
                  elbo_samples: int = 64, clients_per_round: int | None = None):
         if not 0.0 < damping <= 1.0:
             raise ValueError(f"damping must be in (0, 1], got {damping}")
-        if conjugate not in ("auto", True, False):
-            raise ValueError(f"conjugate must be 'auto', True or False, got {conjugate!r}")
+        if conjugate not in ("auto", True, False, "polya-gamma"):
+            raise ValueError("conjugate must be 'auto', True, False or 'polya-gamma', got "
+                             f"{conjugate!r}")
         if local_steps < 1 or num_particles < 1:
             raise ValueError("local_steps and num_particles must be positive")
         self.model = model
@@ -120,6 +124,9 @@ class PVI:
     def _solver(self, clients: Clients) -> pvi.LocalSolver:
         data = tuple(a[0] for a in clients.stacked)
         self.guide.setup(*clients.client(0))
+        if self.conjugate == "polya-gamma":
+            polya_gamma.validate(self.model, self.guide, clients)
+            return polya_gamma.PolyaGammaSolver(self.model, self.guide, self.local_steps)
         if self.conjugate is not False:
             reason = conjugate.check(client(self.model, mask=clients.mask[0]), self.guide.layout,
                                      *data)

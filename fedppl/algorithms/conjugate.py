@@ -31,8 +31,8 @@ from numpyro import handlers
 from fedppl.families.gaussian import FullGaussian
 from fedppl.sites import SiteLayout, is_identity
 
-__all__ = ["GaussianLikelihood", "check", "likelihood_terms", "likelihood_factor",
-           "expected_log_lik"]
+__all__ = ["GaussianLikelihood", "ObservedSite", "check", "likelihood_terms",
+           "likelihood_factor", "expected_log_lik", "observed_sites", "affine_reason"]
 
 
 class NotConjugate(Exception):
@@ -49,14 +49,27 @@ class GaussianLikelihood(NamedTuple):
     log_norm: Array  # () sum_n weight_n * (-1/2 log(2 pi scale_n^2))
 
 
-def _normal_observations(model: Callable, layout: SiteLayout, theta: Array, args: tuple,
-                         kwargs: dict) -> tuple[Array, Array, Array, Array]:
-    """Flat ``loc``, ``scale``, ``y`` and weight of all observed sites at ``theta``."""
+class ObservedSite(NamedTuple):
+    """An observed site with its distribution unwrapped from masks, ``Independent`` and expansion:
+    ``weight`` (shape of ``value``) folds in the masks and the site's scale."""
+
+    name: str
+    fn: dist.Distribution
+    value: Array
+    weight: Array
+
+
+def observed_sites(model: Callable, layout: SiteLayout, theta: Array, args: tuple, kwargs: dict
+                   ) -> list[ObservedSite]:
+    """The observed sites of ``model`` run at the flat global vector ``theta``.
+
+    Raises :class:`NotConjugate` if a latent site is not one of the layout's global sites.
+    """
     values = layout.constrain(theta)
     tr = handlers.trace(handlers.substitute(handlers.seed(model, 0), data=values)).get_trace(
         *args, **kwargs
     )
-    locs, scales, ys, weights = [], [], [], []
+    out = []
     for name, site in tr.items():
         if site["type"] != "sample":
             continue
@@ -75,15 +88,40 @@ def _normal_observations(model: Callable, layout: SiteLayout, theta: Array, args
                 fn = fn.base_dist
             else:
                 break
-        if not isinstance(fn, dist.Normal):
-            raise NotConjugate(f"observed site '{name}' is {type(fn).__name__}, not Normal")
         if site["scale"] is not None:
             weight = weight * site["scale"]
+        out.append(ObservedSite(name, fn, value, jnp.broadcast_to(weight, jnp.shape(value))))
+    return out
+
+
+def affine_reason(fn: Callable[[Array], Array], dim: int, dtype: Any, seed: int = 0,
+                  what: str = "the mean of an observed site") -> str | None:
+    """``None`` if ``fn(theta) = fn(0) + J theta`` at two random points, else the reason."""
+    theta0 = jnp.zeros(dim, dtype=dtype)
+    loc0 = fn(theta0)
+    J = jax.jacfwd(fn)(theta0)
+    rng = np.random.default_rng(seed)
+    for _ in range(2):
+        theta = jnp.asarray(rng.normal(size=dim) * 3.0, dtype=dtype)
+        loc = fn(theta)
+        tol = 1e-5 * (1.0 + jnp.max(jnp.abs(loc)))
+        if not bool(jnp.all(jnp.abs(loc - (loc0 + J @ theta)) <= tol)):
+            return f"{what} is not affine in the global sites"
+    return None
+
+
+def _normal_observations(model: Callable, layout: SiteLayout, theta: Array, args: tuple,
+                         kwargs: dict) -> tuple[Array, Array, Array, Array]:
+    """Flat ``loc``, ``scale``, ``y`` and weight of all observed sites at ``theta``."""
+    locs, scales, ys, weights = [], [], [], []
+    for name, fn, value, weight in observed_sites(model, layout, theta, args, kwargs):
+        if not isinstance(fn, dist.Normal):
+            raise NotConjugate(f"observed site '{name}' is {type(fn).__name__}, not Normal")
         shape = jnp.shape(value)
         locs.append(jnp.broadcast_to(fn.loc, shape).reshape(-1))
         scales.append(jnp.broadcast_to(fn.scale, shape).reshape(-1))
         ys.append(jnp.reshape(value, (-1,)))
-        weights.append(jnp.broadcast_to(weight, shape).reshape(-1))
+        weights.append(jnp.reshape(weight, (-1,)))
     if not locs:
         raise NotConjugate("the model has no observed sites")
     return tuple(jnp.concatenate(p) for p in (locs, scales, ys, weights))
@@ -127,16 +165,16 @@ def check(model: Callable, layout: SiteLayout, *args: Any, seed: int = 0, **kwar
     try:
         theta0 = jnp.zeros(layout.dim)
         loc0, scale0, _, _ = _normal_observations(model, layout, theta0, args, kwargs)
-        J = jax.jacfwd(lambda t: _normal_observations(model, layout, t, args, kwargs)[0])(theta0)
-        rng = np.random.default_rng(seed)
-        for _ in range(2):
-            theta = jnp.asarray(rng.normal(size=layout.dim) * 3.0, dtype=loc0.dtype)
-            loc, scale, _, _ = _normal_observations(model, layout, theta, args, kwargs)
-            tol = 1e-5 * (1.0 + jnp.max(jnp.abs(loc)))
-            if not bool(jnp.all(jnp.abs(loc - (loc0 + J @ theta)) <= tol)):
-                return "the mean of an observed site is not affine in the global sites"
-            if not bool(jnp.allclose(scale, scale0)):
-                return "the scale of an observed site depends on the global sites"
+        reason = affine_reason(
+            lambda t: _normal_observations(model, layout, t, args, kwargs)[0], layout.dim,
+            loc0.dtype, seed)
+        if reason is not None:
+            return reason
+        rng = np.random.default_rng(seed + 1)
+        theta = jnp.asarray(rng.normal(size=layout.dim) * 3.0, dtype=loc0.dtype)
+        _, scale, _, _ = _normal_observations(model, layout, theta, args, kwargs)
+        if not bool(jnp.allclose(scale, scale0)):
+            return "the scale of an observed site depends on the global sites"
     except NotConjugate as e:
         return str(e)
     return None

@@ -1,0 +1,88 @@
+"""Closed-form PVI local updates for Bernoulli-logit models by Polya-Gamma CAVI.
+
+:class:`PolyaGammaSolver` is a PVI local solver (same call as ``ConjugateSolver``): client ``k``
+runs CAVI (:mod:`fedppl.guides.cavi`) with its cavity as the prior, warm-started at the current
+``q``, until ``c`` stops moving or ``max_iters`` sweeps. Its local objective is the
+Jaakkola-Jordan bound of its likelihood, so the PVI fixed point is the global CAVI (JJ) posterior
+of the pooled data (a looser bound than the exact logistic likelihood of Gaussian VI: means agree
+to ~0.1 sd, standard deviations come out smaller). No learning rate and no Monte Carlo noise; the
+number of rounds follows CAVI's own linear convergence, which is slow on ill-conditioned, nearly
+separable data (breast cancer: ~230 pooled CAVI sweeps to reach 1e-3 of the optimum).
+
+Masked (padded) rows contribute nothing; a client whose rows are all masked returns its cavity,
+so its factor stays where it is (the identity, if it started there). Labels must be 0 or 1:
+:func:`validate` checks every client before the run and names the first bad one.
+
+Example::
+
+    >>> pvi = fedppl.PVI(logistic_regression, PVIGuide(logistic_regression, "fullrank"),
+    ...                  conjugate="polya-gamma")
+    >>> result = pvi.run(jax.random.key(0), clients, num_rounds=10)
+"""
+
+from __future__ import annotations
+
+from typing import Callable, NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from fedppl.clients import Clients
+from fedppl.guides import cavi
+from fedppl.guides.pvi_guide import PVIGuide
+from fedppl.handlers.client import client
+
+__all__ = ["PolyaGammaSolver", "validate"]
+
+
+class PolyaGammaSolver(NamedTuple):
+    """Client ``k``'s local free energy maximised by Polya-Gamma CAVI (see module doc).
+
+    :param model: a NumPyro model with Bernoulli-logit observations affine in the global sites.
+    :param guide: the :class:`PVIGuide` (its family decides full-rank or mean-field updates).
+    :param max_iters: most CAVI sweeps per client update.
+    :param tol: stop when ``max |c - c_prev| <= tol (1 + |c|)``.
+    """
+
+    model: Callable
+    guide: PVIGuide
+    max_iters: int = 200
+    tol: float = 1e-10
+
+    def __call__(self, q_cavity, q, data, mask, rng_key):
+        lik = cavi.logit_terms(client(self.model, mask=mask), self.guide.layout, *data)
+        q_new, _ = cavi.iterate(q_cavity, lik, q, self.max_iters, self.tol)
+        return q_new, cavi.elbo(q_new, q_cavity, lik)
+
+
+def validate(model: Callable, guide: PVIGuide, clients: Clients) -> None:
+    """Raise ``ValueError`` naming the client if the model is not Bernoulli-logit and affine in
+    the global sites (checked on the first client), or a client's labels are outside {0, 1} or
+    its logits are not finite (every client, in one compiled pass over the padded data)."""
+    guide.setup(*clients.client(0))
+    layout, name0 = guide.layout, clients.names[0]
+    arrays = clients.client(0)
+    try:
+        reason = cavi.check(client(model, mask=np.ones(len(arrays[0]), bool)), layout, *arrays)
+    except ValueError as e:
+        raise ValueError(f"{name0}: {e}") from e
+    if reason is not None:
+        raise ValueError(f"{name0}: the Polya-Gamma solver needs Bernoulli logits affine in the "
+                         f"global sites: {reason}")
+
+    @jax.jit
+    @jax.vmap
+    def values(data, mask):
+        return cavi.logit_values(client(model, mask=mask), layout, jnp.zeros(layout.dim), data, {})
+
+    logits, kappa, weight = (np.asarray(a) for a in values(clients.stacked, clients.mask))
+    for k, name in enumerate(clients.names):
+        keep = weight[k] > 0
+        labels = kappa[k][keep] + 0.5
+        bad = ~((labels == 0.0) | (labels == 1.0))
+        if bad.any():
+            raise ValueError(f"{name}: labels {np.unique(labels[bad])[:5].tolist()} of an "
+                             "observed Bernoulli site are outside {0, 1}")
+        if not np.all(np.isfinite(logits[k][keep])):
+            raise ValueError(f"{name}: non-finite logits at an observed Bernoulli site")
