@@ -6,6 +6,7 @@ Example::
     $ fedppl fedbnr --data ../shared/data/uci/power-plant --clients 10 --variant avg kd
     $ fedppl cotrain --combination noisy --uncertainty full --masked --dp --json out.json
     $ fedppl sgp --data ../shared/data/uci/concrete --split 0 --clients 10 --method dpo global
+    $ fedppl mogp --study synthetic --method all --rounds 15
 """
 
 from __future__ import annotations
@@ -64,9 +65,9 @@ def _parser() -> argparse.ArgumentParser:
 
 def _command_modules() -> list:
     """Subcommands that live in :mod:`fedppl.commands` (``register`` + ``run`` each)."""
-    from fedppl.commands import sgp
+    from fedppl.commands import mogp, sgp
 
-    return [sgp]
+    return [sgp, mogp]
 
 
 def main(argv: Sequence[str] | None = None) -> int:
