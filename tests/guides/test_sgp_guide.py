@@ -1,0 +1,127 @@
+"""The HVM guide: factor statistics against brute-force natural parameters; alpha tempering."""
+
+from __future__ import annotations
+
+from functools import partial
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import numpyro
+import pytest
+
+from fedppl.algorithms import sgp_pvi
+from fedppl.families.gaussian import DiagGaussian
+from fedppl.guides import sgp_guide as sg
+from fedppl.handlers.tempered import tempered
+from fedppl.models import sparse_gp as sgp
+from fedppl.models.kernels import se
+
+HYP = sgp.Hyper(jnp.array([0.9]), jnp.asarray(1.4), jnp.asarray(0.2))
+
+
+def _brute(Z, factors):
+    """q(u) by explicit products of the factors' natural parameters in u (App. C, Eq. 24-25)."""
+    K = np.asarray(sgp.kzz(Z, HYP))
+    Ki = np.linalg.inv(K)
+    prec, nat1 = Ki.copy(), np.zeros(len(Z))
+    for kind, V, m, S in factors:
+        if kind == "dpo":
+            Kvz = np.asarray(se(V, Z, HYP.lengthscale, HYP.variance))
+            H = Kvz @ Ki                                   # t(u) = N(H u; m, S)
+            prec += H.T @ np.linalg.solve(S, H)
+            nat1 += H.T @ np.linalg.solve(S, m)
+        else:
+            prec += np.linalg.inv(S)
+            nat1 += np.linalg.solve(S, m)
+    cov = np.linalg.inv(prec)
+    return cov @ nat1, cov
+
+
+def _pseudo_stack(rng, M_ks, m_max, full):
+    parts, masks, dense = [], [], []
+    for Mk in M_ks:
+        V = np.concatenate([rng.normal(size=(Mk, 1)), np.zeros((m_max - Mk, 1))])
+        m = np.concatenate([rng.normal(size=Mk), np.zeros(m_max - Mk)])
+        if full:
+            raw = np.tril(0.3 * rng.normal(size=(m_max, m_max)))
+            Ls = np.asarray(sg.tril_param(raw))[:Mk, :Mk]
+            S = Ls @ Ls.T
+        else:
+            raw = rng.normal(size=m_max) * 0.3 - 1.0
+            S = np.diag(np.exp(raw[:Mk]))
+        parts.append(sg.Pseudo(V, m, raw))
+        masks.append(np.arange(m_max) < Mk)
+        dense.append(("dpo", V[:Mk], m[:Mk], S))
+    stack = jax.tree_util.tree_map(lambda *a: jnp.asarray(np.stack(a)), *parts)
+    return stack, jnp.asarray(np.stack(masks)), dense
+
+
+@pytest.mark.parametrize("full", [False, True])
+def test_dpo_stats_and_cavity_match_brute_force(full):
+    rng = np.random.default_rng(0)
+    Z = rng.normal(size=(5, 1))
+    stack, mask, dense = _pseudo_stack(rng, [3, 7, 4], 7, full)
+    L = jnp.linalg.cholesky(sgp.kzz(Z, HYP))
+    cov = "full" if full else "diag"
+    for weights, used in (([1.0, 1.0, 1.0], dense), ([1.0, 0.0, 1.0], [dense[0], dense[2]])):
+        A, c = sg.summed_stats("dpo", cov, stack, mask, jnp.array(weights), Z, HYP, L)
+        mean, covu = sgp.moments(sgp.posterior(L, A, c))
+        bm, bc = _brute(Z, used)
+        np.testing.assert_allclose(mean, bm, rtol=1e-8, atol=1e-10)
+        np.testing.assert_allclose(covu, bc, rtol=1e-8, atol=1e-10)
+
+
+def test_cpo_stats_match_brute_force():
+    rng = np.random.default_rng(1)
+    Z = rng.normal(size=(4, 1))
+    raws = [np.tril(0.4 * rng.normal(size=(4, 4))) for _ in range(2)]
+    ms = [rng.normal(size=4) for _ in range(2)]
+    stack = sg.Pseudo(jnp.zeros((2, 0, 1)), jnp.asarray(np.stack(ms)), jnp.asarray(np.stack(raws)))
+    L = jnp.linalg.cholesky(sgp.kzz(Z, HYP))
+    A, c = sg.summed_stats("cpo", "diag", stack, jnp.ones((2, 4), bool), jnp.ones(2), Z, HYP, L)
+    dense = []
+    for raw, m in zip(raws, ms):
+        R = np.asarray(sg.tril_param(raw))
+        dense.append(("cpo", None, m, np.linalg.inv(R @ R.T)))
+    mean, cov = sgp.moments(sgp.posterior(L, A, c))
+    bm, bc = _brute(Z, dense)
+    np.testing.assert_allclose(mean, bm, rtol=1e-8, atol=1e-10)
+    np.testing.assert_allclose(cov, bc, rtol=1e-8, atol=1e-10)
+
+
+def test_guide_samples_z_directly_so_tempered_scales_it():
+    lq = sg.LocalQ(jnp.zeros(3), jnp.zeros(3), jnp.ones((4, 1)), jnp.zeros((4, 1)))
+    guide = tempered(partial(sg.hvm_guide, lq, True, True), alpha=0.1, sites=["Z"])
+    tr = numpyro.handlers.trace(numpyro.handlers.seed(guide, 0)).get_trace()
+    assert tr["Z"]["scale"] == 0.1 and tr["log_beta"]["scale"] is None
+
+
+def _spec_state(alpha):
+    rng = np.random.default_rng(3)
+    X = rng.normal(size=(2, 6, 1))
+    spec = sgp_pvi.Spec(alpha=alpha, num_samples=3, input_dim=1)
+    state = sgp_pvi.init(spec, jax.random.PRNGKey(0), X, np.ones((2, 6), bool), np.array([6, 6]),
+                         4, np.array([3, 3]))
+    # move client 0's factors so that q(Z) differs from the cavity
+    t_z = DiagGaussian(state.t_z.nat1.at[0].add(5.0), state.t_z.prec.at[0].add(20.0))
+    return spec, state._replace(t_z=t_z), (jnp.asarray(X[0]), jnp.asarray(X[0, :, 0]),
+                                          jnp.ones(6, bool))
+
+
+def test_alpha_scales_exactly_the_z_kl():
+    fes = {}
+    for alpha in (0.1, 1.0, 0.0):
+        spec, state, data = _spec_state(alpha)
+        lq = sg.local_q_from(sgp_pvi._q(state.beta_prior, state.t_beta),
+                             sgp_pvi._q(state.z_prior, state.t_z))
+        params = (lq, jax.tree_util.tree_map(lambda a: a[0], state.pseudo), state.z_point)
+        fe = jax.jit(lambda p: sgp_pvi.local_free_energy(spec, state, 0, data, p,
+                                                         jax.random.PRNGKey(7)))
+        fes[alpha] = float(fe(params))
+    q = sgp_pvi._q(state.z_prior, state.t_z)
+    cav = sgp_pvi._cavity(state.z_prior, state.t_z, 0)
+    kl_z = float(sgp_pvi._kl_diag(q, cav))
+    assert kl_z > 1.0
+    np.testing.assert_allclose(fes[0.1] - fes[1.0], 0.9 * kl_z, rtol=1e-9)
+    np.testing.assert_allclose(fes[0.0] - fes[1.0], kl_z, rtol=1e-9)
