@@ -18,7 +18,7 @@ demo: $(STAMP)
 	$(BIN)/fedppl demo
 
 test: $(STAMP)
-	$(BIN)/python -m pytest
+	OPENBLAS_NUM_THREADS=1 $(BIN)/python -m pytest
 
 bench: $(STAMP)
 	$(BIN)/python benchmarks/pvi_rounds.py

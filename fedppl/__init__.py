@@ -11,10 +11,13 @@ Example::
 from fedppl import datasets, families, handlers, metrics, partition
 from fedppl.clients import Clients
 from fedppl.fedbnr import FedBNR
+from fedppl.fsgp import FSGPConfig, fit_fsgp
 from fedppl.guides import PVIGuide
 from fedppl.infer import PVI, GlobalVI, PVIResult
+from fedppl.sgp import SGPConfig, fit_sgp
 
 __version__ = "0.1.0"
 
-__all__ = ["PVI", "GlobalVI", "PVIResult", "PVIGuide", "FedBNR", "Clients", "partition",
+__all__ = ["PVI", "GlobalVI", "PVIResult", "PVIGuide", "FedBNR", "fit_sgp", "SGPConfig",
+           "fit_fsgp", "FSGPConfig", "Clients", "partition",
            "handlers", "families", "metrics", "datasets", "__version__"]

@@ -1,10 +1,16 @@
 from __future__ import annotations
 
-import jax
-import numpy as np
-import numpyro
-import numpyro.distributions as dist
-import pytest
+import os
+
+# Small dense solves run ~30x slower with OpenBLAS threads fighting over 2 busy cores; one
+# thread is what the test sizes want. Must be set before numpy loads OpenBLAS.
+os.environ.setdefault("OPENBLAS_NUM_THREADS", "1")
+
+import jax  # noqa: E402
+import numpy as np  # noqa: E402
+import numpyro  # noqa: E402
+import numpyro.distributions as dist  # noqa: E402
+import pytest  # noqa: E402
 
 jax.config.update("jax_enable_x64", True)
 
