@@ -5,6 +5,8 @@ PYTHON ?= $(shell command -v python3.11 || command -v python3)
 VENV   := .venv
 BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.installed
+# pytest-xdist workers; --dist loadfile keeps each test file (and its fixtures) on one worker
+TEST_JOBS ?= 2
 
 .PHONY: demo test bench clean
 
@@ -18,7 +20,7 @@ demo: $(STAMP)
 	$(BIN)/fedppl demo
 
 test: $(STAMP)
-	OPENBLAS_NUM_THREADS=1 $(BIN)/python -m pytest
+	OPENBLAS_NUM_THREADS=1 $(BIN)/python -m pytest -n $(TEST_JOBS) --dist loadfile
 
 bench: $(STAMP)
 	$(BIN)/python benchmarks/pvi_rounds.py

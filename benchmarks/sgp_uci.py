@@ -22,6 +22,8 @@ from __future__ import annotations
 import argparse
 import json
 import os
+
+os.environ.setdefault("OPENBLAS_NUM_THREADS", "1")  # small solves: threads only contend
 import platform
 import time
 from pathlib import Path
@@ -36,20 +38,33 @@ DATASETS = ["bostonHousing", "concrete", "energy", "kin8nm", "naval-propulsion-p
             "power-plant", "protein-tertiary-structure", "wine-quality-red", "yacht"]
 PAPER = ["bostonHousing", "concrete", "energy", "kin8nm", "naval-propulsion-plant",
          "power-plant", "wine-quality-red", "yacht"]  # the eight of the paper's figure
+LARGE = ["kin8nm", "naval-propulsion-plant", "power-plant", "protein-tertiary-structure"]
 
 
 def parse() -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--uci", default=str(UCI), help="folder holding the UCI dataset folders")
-    p.add_argument("--datasets", nargs="+", default=PAPER)
+    p.add_argument("--datasets", nargs="*", default=PAPER)
     p.add_argument("--methods", nargs="+", default=list(sgp_uci.METHODS))
     p.add_argument("--splits", type=int, default=2, help="first n standard splits")
     p.add_argument("--rounds", type=int, default=100)
     p.add_argument("--local-steps", type=int, default=200)
+    p.add_argument("--rounds-for", nargs="*", default=["global=30"], metavar="METHOD=N",
+                   help="other round counts per method (global: 30 rounds = 30 x local-steps "
+                        "full-batch steps)")
+    p.add_argument("--merge", nargs="*", default=[], metavar="JSON",
+                   help="only combine earlier result files into one table and --out")
     p.add_argument("--max-train", type=int, default=None,
                    help="subsample training rows of large sets (default: all)")
+    p.add_argument("--large", nargs="*", default=LARGE,
+                   help="datasets whose training rows are capped at --max-train-large")
+    p.add_argument("--max-train-large", type=int, default=None,
+                   help="cap on training rows for --large datasets (default: all)")
+    p.add_argument("--jobs", type=int, default=1, help="(dataset, split) runs in parallel")
     p.add_argument("--timing-clients", type=int, nargs="*", default=[10, 1000])
-    p.add_argument("--timing-repeats", type=int, default=5)
+    p.add_argument("--timing-repeats", type=int, default=3)
+    p.add_argument("--timing-local-steps", type=int, default=10)
+    p.add_argument("--timing-inducing", type=int, default=10)
     p.add_argument("--out", default=str(Path(__file__).parent / "results" / "sgp_uci.json"))
     return p.parse_args()
 
@@ -59,7 +74,8 @@ def configs(args: argparse.Namespace) -> dict:
     from fedppl.sgp import SGPConfig
 
     return {m: FSGPConfig(local_steps=args.local_steps) if m == "fsgp"
-            else SGPConfig(local_steps=args.local_steps) for m in args.methods}
+            else SGPConfig(local_steps=args.local_steps, inner_steps=args.local_steps)
+            for m in args.methods}
 
 
 def _cell(vals: list[float], digits: int = 3) -> str:
@@ -90,8 +106,10 @@ def rounds_table(results: dict, methods: list[str]) -> str:
     return "\n".join(lines)
 
 
-def timing(clients: list[int], repeats: int, local_steps: int) -> dict[int, float]:
-    """Median seconds per synchronous DPO round on 1-D data, 20 points per client."""
+def timing(clients: list[int], repeats: int, local_steps: int, inducing: int) -> dict[int, float]:
+    """Median seconds per synchronous DPO round on 1-D data, 20 points (16 pseudo-points) per
+    client. Each client's step needs every other client's pseudo-points at its own (beta, Z)
+    sample, so a round costs O(K * sum_k M_k * M^2) per local step: quadratic in K."""
     from fedppl import partition
     from fedppl.sgp import SGPConfig, fit_sgp
 
@@ -100,7 +118,7 @@ def timing(clients: list[int], repeats: int, local_steps: int) -> dict[int, floa
         rng = np.random.default_rng(0)
         X = rng.normal(size=(20 * k, 1))
         y = np.sin(2 * X[:, 0]) + 0.1 * rng.normal(size=len(X))
-        cfg = SGPConfig(num_inducing=20, schedule="synchronous", local_steps=local_steps,
+        cfg = SGPConfig(num_inducing=inducing, schedule="synchronous", local_steps=local_steps,
                         damping=1.0 / max(k, 1) ** 0.5)
         res = fit_sgp("dpo", partition.homogeneous(X, y, k), repeats + 1, cfg,
                       key=jax.random.key(0))
@@ -109,42 +127,85 @@ def timing(clients: list[int], repeats: int, local_steps: int) -> dict[int, floa
     return out
 
 
+def one(folder: str, split: int, args: argparse.Namespace) -> dict:
+    """Every method on one (dataset, split); histories dropped to keep the JSON small."""
+    jax.config.update("jax_enable_x64", True)
+    cap = args.max_train_large if Path(folder).name in args.large else args.max_train
+    rounds = {m: int(n) for m, n in (item.split("=") for item in args.rounds_for)}
+    rows = sgp_uci.run(folder, split, 10, args.methods, args.rounds, configs(args), seed=split,
+                       max_train=cap, progress_bar=False, rounds=rounds)
+    for r in rows.values():
+        r["free_energy_curve"] = r.pop("history", {}).get("free_energy")
+    print(f"{Path(folder).name} split {split}: " + ", ".join(
+        f"{m} {r['log_lik']:.3f} ({r['seconds']:.0f} s)" for m, r in rows.items()), flush=True)
+    return rows
+
+
 def main() -> None:
     args = parse()
     jax.config.update("jax_enable_x64", True)
+    if args.merge:
+        return merge(args)
     t0 = time.perf_counter()
-    results: dict[str, list] = {}
+    tasks = []
     for name in args.datasets:
         folder = Path(args.uci) / name
         if not folder.is_dir():
             print(f"skipping {name}: {folder} not found (pass --uci PATH)")
             continue
-        results[name] = []
-        for split in range(args.splits):
-            rows = sgp_uci.run(str(folder), split, 10, args.methods, args.rounds, configs(args),
-                               seed=split, max_train=args.max_train, progress_bar=False)
-            for r in rows.values():
-                r.pop("history", None)
-            results[name].append(rows)
-            print(f"{name} split {split}: " + ", ".join(
-                f"{m} {r['log_lik']:.3f}" for m, r in rows.items()), flush=True)
-    speeds = timing(args.timing_clients, args.timing_repeats, args.local_steps)
-    text = "\n\n".join([
-        "### test log-likelihood (original units)\n\n" + table(results, args.methods, "log_lik"),
-        "### test RMSE (original units)\n\n" + table(results, args.methods, "rmse"),
-        "### rounds to convergence (seconds per round)\n\n" + rounds_table(results, args.methods),
-        "### seconds per synchronous DPO round (vmap over clients)\n\n| clients | s / round |\n"
-        "|---:|---:|\n" + "\n".join(f"| {k} | {v:.4f} |" for k, v in speeds.items())])
+        tasks += [(name, str(folder), split) for split in range(args.splits)]
+    results: dict[str, list] = {name: [] for name, _, _ in tasks}
+    if args.jobs > 1:
+        import multiprocessing as mp
+        from concurrent.futures import ProcessPoolExecutor
+
+        with ProcessPoolExecutor(args.jobs, mp_context=mp.get_context("spawn")) as pool:
+            futures = [(name, split, pool.submit(one, folder, split, args))
+                       for name, folder, split in tasks]
+            done = [(name, split, f.result()) for name, split, f in futures]
+    else:
+        done = [(name, split, one(folder, split, args)) for name, folder, split in tasks]
+    for name, split, rows in done:
+        results[name].append(rows)
+    speeds = timing(args.timing_clients, args.timing_repeats, args.timing_local_steps,
+                    args.timing_inducing) if args.timing_clients else {}
+    write(args, results, speeds, {"settings": vars(args), "wall_seconds": time.perf_counter() - t0})
+
+
+def write(args: argparse.Namespace, results: dict, speeds: dict, meta: dict) -> None:
+    methods = list(next(iter(results.values()))[0]) if results else args.methods
+    parts = []
+    if results:
+        parts += ["### test log-likelihood (original units)\n\n" + table(results, methods, "log_lik"),
+                  "### test RMSE (original units)\n\n" + table(results, methods, "rmse"),
+                  "### rounds to convergence (seconds per round)\n\n"
+                  + rounds_table(results, methods)]
+    if speeds:
+        parts.append(f"### seconds per synchronous DPO round (vmap over clients; M = "
+                     f"{args.timing_inducing}, {args.timing_local_steps} local steps, 20 points "
+                     f"per client)\n\n| clients | s / round |\n|---:|---:|\n"
+                     + "\n".join(f"| {k} | {v:.4f} |" for k, v in speeds.items()))
+    text = "\n\n".join(parts)
     print("\n" + text)
     out = {"measured": "federated sparse GP methods on UCI sets (K=10 homogeneous), test metrics "
                        "in original units; synchronous round timings",
-           "settings": vars(args), "wall_seconds": time.perf_counter() - t0,
-           "machine": {"platform": platform.platform(), "cpus": os.cpu_count(),
-                       "devices": str(jax.devices()), "jax": jax.__version__},
+           **meta, "machine": {"platform": platform.platform(), "cpus": os.cpu_count(),
+                               "devices": str(jax.devices()), "jax": jax.__version__},
            "results": results, "timing": speeds, "tables_markdown": text}
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(out, indent=1))
     print(f"\nwrote {args.out}")
+
+
+def merge(args: argparse.Namespace) -> None:
+    """Combine result files of separate runs (e.g. small and large sets run side by side)."""
+    results, speeds, parts = {}, {}, []
+    for path in args.merge:
+        d = json.loads(Path(path).read_text())
+        results.update(d["results"])
+        speeds.update({int(k): v for k, v in d.get("timing", {}).items()})
+        parts.append({"file": path, "settings": d["settings"], "wall_seconds": d["wall_seconds"]})
+    write(args, results, speeds, {"merged_from": parts})
 
 
 if __name__ == "__main__":

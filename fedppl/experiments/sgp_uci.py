@@ -112,14 +112,17 @@ def _converged(values: Sequence[float] | None, rel_tol: float = 0.01) -> int | N
 
 def run(path: str, split: int = 0, num_clients: int = 10, methods: Sequence[str] = METHODS,
         num_rounds: int = 100, configs: dict[str, Any] | None = None, seed: int = 0,
-        max_train: int | None = None, progress_bar: bool = True) -> dict[str, dict[str, Any]]:
+        max_train: int | None = None, progress_bar: bool = True,
+        rounds: dict[str, int] | None = None) -> dict[str, dict[str, Any]]:
     """Fit and score every method on one split (see module doc); ``configs`` maps a method
-    to its :class:`~fedppl.sgp.SGPConfig` or :class:`~fedppl.fsgp.FSGPConfig`."""
+    to its :class:`~fedppl.sgp.SGPConfig` or :class:`~fedppl.fsgp.FSGPConfig`, ``rounds`` to a
+    number of rounds other than ``num_rounds`` (e.g. fewer optimisation rounds for ``global``)."""
     prep = prepare(path, split, num_clients, seed=seed, max_train=max_train)
     rows = {}
     for method in methods:
-        bar = _bar(progress_bar, num_rounds, method)
-        rows[method] = fit_one(method, prep, num_rounds, (configs or {}).get(method), seed,
+        n = (rounds or {}).get(method, num_rounds)
+        bar = _bar(progress_bar, n, method)
+        rows[method] = fit_one(method, prep, n, (configs or {}).get(method), seed,
                                callback=(lambda i, info: bar.update(1)) if bar else None)
         if bar:
             bar.close()
