@@ -4,8 +4,15 @@ The 1-D experiment of the federated sparse GP paper (Sec. 6.1, Fig. 1). Five cli
 cluster of points; the hyperparameters are fixed at their true values. Both methods use DPO
 factors; FedAvg-Z learns one set of inducing locations by averaging the clients' local optima
 (Alg. 1), PVI keeps a distribution q(Z) refined by every client (Alg. 2). After 10 and 20
-communications we plot the posterior and the inducing locations, and measure how far the
-inducing locations sit from the data.
+communications we plot the posterior and the inducing locations (triangles; arrows at the edge
+mark locations outside the plotted range), and measure how far the inducing locations sit from
+the data and how well each posterior predicts the noiseless function.
+
+What we see (quick settings, seed 0): PVI's fit improves from 10 to 20 communications (test
+log-likelihood of f -0.30 -> -0.25), FedAvg-Z's gets worse (-0.60 -> -1.06) as the averaged
+locations bunch together and the factors, learnt at each client's own locations, no longer fit
+at the averaged ones. In our runs FedAvg-Z's locations stay within the data range; the paper's
+locations moving *away* from the data is not reproduced at this J.
 
 Run ``python tutorials/sgp_synthetic.py`` (writes ``sgp-synthetic.png``); set
 ``FEDPPL_TUTORIAL_FULL=1`` for the paper's longer inner loop.
@@ -59,7 +66,12 @@ for ax, ((method, rounds), res) in zip(axes.T.ravel(), fits.items()):
     ax.plot(data.X_test[:, 0], mean, "k", lw=1.5, label="posterior mean")
     ax.fill_between(data.X_test[:, 0], mean - 2 * sd, mean + 2 * sd, color="k", alpha=0.15)
     Z = np.asarray(res.inducing()[0])[:, 0]
-    ax.plot(Z, np.full_like(Z, ax.get_ylim()[0] if ax.get_ylim()[0] > -4 else -3.5), "k^", ms=6)
+    lo, hi = data.X_test[0, 0] - 0.3, data.X_test[-1, 0] + 0.3
+    inside = (Z > lo) & (Z < hi)
+    ax.plot(Z[inside], np.full(inside.sum(), -3.6), "k^", ms=6)
+    ax.plot(np.full((Z < lo).sum(), lo + 0.05), np.full((Z < lo).sum(), -3.6), "k<", ms=7)
+    ax.plot(np.full((Z > hi).sum(), hi - 0.05), np.full((Z > hi).sum(), -3.6), "k>", ms=7)
+    ax.set_xlim(lo, hi)
     name = "PVI + HVM (DPO)" if method == "dpo" else "FedAvg-Z (DPO)"
     ax.set_title(f"{name}, {rounds} communications")
 axes[0, 0].legend(loc="upper left", fontsize=8)
