@@ -127,9 +127,16 @@ def timing(clients: list[int], repeats: int, local_steps: int, inducing: int) ->
     return out
 
 
+def _setup() -> None:
+    jax.config.update("jax_enable_x64", True)
+    # jaxlib 0.10.2 on a busy 2-core machine deadlocked (all threads in futex waits) in several
+    # long runs with asynchronous CPU dispatch; synchronous dispatch costs little here.
+    jax.config.update("jax_cpu_enable_async_dispatch", False)
+
+
 def one(folder: str, split: int, args: argparse.Namespace) -> dict:
     """Every method on one (dataset, split); histories dropped to keep the JSON small."""
-    jax.config.update("jax_enable_x64", True)
+    _setup()
     cap = args.max_train_large if Path(folder).name in args.large else args.max_train
     rounds = {m: int(n) for m, n in (item.split("=") for item in args.rounds_for)}
     rows = sgp_uci.run(folder, split, 10, args.methods, args.rounds, configs(args), seed=split,
@@ -143,7 +150,7 @@ def one(folder: str, split: int, args: argparse.Namespace) -> dict:
 
 def main() -> None:
     args = parse()
-    jax.config.update("jax_enable_x64", True)
+    _setup()
     if args.merge:
         return merge(args)
     t0 = time.perf_counter()

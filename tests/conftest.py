@@ -13,6 +13,9 @@ import numpyro.distributions as dist  # noqa: E402
 import pytest  # noqa: E402
 
 jax.config.update("jax_enable_x64", True)
+# Long jobs on a busy 2-core machine deadlocked a few times under asynchronous CPU dispatch
+# (jaxlib 0.10.2, every thread in a futex wait); the tests dispatch synchronously.
+jax.config.update("jax_cpu_enable_async_dispatch", False)
 
 
 def linear_model(X, y=None, noise=0.5):
