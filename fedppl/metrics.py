@@ -32,6 +32,7 @@ __all__ = [
     "accuracy",
     "classification_ece",
     "reliability_diagram",
+    "rounds_to_convergence",
 ]
 
 
@@ -242,3 +243,14 @@ def classification_ece(y: Any, prob: Any, num_bins: int = 10) -> float:
     filled = rel.count > 0
     weights = rel.count[filled] / rel.count.sum()
     return float(np.sum(weights * np.abs(rel.accuracy[filled] - rel.confidence[filled])))
+
+
+def rounds_to_convergence(values: Any, tol: float) -> int:
+    """First round (1-based) after which a per-round curve stays within ``tol`` of its last value.
+
+    >>> rounds_to_convergence([0.0, 5.0, 9.0, 9.99, 10.0], tol=0.1)
+    4
+    """
+    v = _vector(values, "values")  # raises on an empty or non-finite curve
+    far = np.flatnonzero(np.abs(v - v[-1]) > tol)
+    return int(far[-1] + 2) if len(far) else 1

@@ -28,6 +28,7 @@ import numpy as np
 from jax import Array
 from jax.scipy.special import logsumexp
 
+from fedppl import metrics
 from fedppl.algorithms import sgp_pvi
 from fedppl.clients import Clients
 from fedppl.guides import sgp_guide as sg
@@ -118,14 +119,9 @@ def _predict_jit(spec, state, X, key, num):
 
 def rounds_to_convergence(history: dict, tol: float, key: str = "free_energy") -> int:
     """First round after which ``history[key]`` stays within ``tol`` of its final value."""
-    values = np.asarray(history[key], float)
-    if values.size == 0:
+    if len(history[key]) == 0:
         raise ValueError("empty history")
-    inside = np.abs(values - values[-1]) <= tol
-    i = len(values) - 1
-    while i > 0 and inside[i - 1]:
-        i -= 1
-    return int(history["round"][i])
+    return int(history["round"][metrics.rounds_to_convergence(history[key], tol) - 1])
 
 
 # -- validation and set-up -------------------------------------------------------------------------

@@ -190,3 +190,11 @@ def test_reliability_diagram_bins_and_drawing():
 def test_validation_errors(call, message):
     with pytest.raises(ValueError, match=message):
         call()
+
+
+def test_rounds_to_convergence_is_one_based_and_tolerance_driven():
+    assert metrics.rounds_to_convergence([0.0, 5.0, 9.0, 9.99, 10.0], 0.1) == 4
+    assert metrics.rounds_to_convergence([3.0], 0.0) == 1
+    assert metrics.rounds_to_convergence([0.0, 1.0, 0.0, 1.0], 0.5) == 4
+    with pytest.raises(ValueError, match="empty"):
+        metrics.rounds_to_convergence([], 1.0)

@@ -28,6 +28,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from fedppl import metrics
 from fedppl.algorithms import pfedmul as pm
 from fedppl.models import mogp
 
@@ -84,10 +85,9 @@ def rounds_to_converge(values, tol: float) -> int | None:
     """First round (1-based) after which the curve stays within ``tol`` of its last value;
     ``None`` if the last step still moves by more than ``tol`` (not converged)."""
     v = np.asarray(values, float)
-    if len(v) < 2 or abs(v[-1] - v[-2]) > tol:
+    if len(v) < 2 or not np.all(np.isfinite(v)) or abs(v[-1] - v[-2]) > tol:
         return None
-    far = np.flatnonzero(np.abs(v - v[-1]) > tol)
-    return int(far[-1] + 2) if len(far) else 1
+    return metrics.rounds_to_convergence(v, tol)
 
 
 def _federation(config, hyper, datas, rounds, key):

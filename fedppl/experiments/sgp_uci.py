@@ -25,7 +25,7 @@ from typing import Any, Callable, NamedTuple, Sequence
 import jax
 import numpy as np
 
-from fedppl import partition
+from fedppl import metrics, partition
 from fedppl.clients import Clients
 from fedppl.datasets import Standardiser, load_uci
 
@@ -104,10 +104,7 @@ def _converged(values: Sequence[float] | None, rel_tol: float = 0.01) -> int | N
     v = np.asarray(values, dtype=float)
     if not np.all(np.isfinite(v)):
         return None
-    span = max(np.ptp(v), 1e-12)
-    inside = np.abs(v - v[-1]) <= rel_tol * span
-    outside = np.nonzero(~inside)[0]
-    return int(outside[-1] + 2) if len(outside) else 1
+    return metrics.rounds_to_convergence(v, rel_tol * max(np.ptp(v), 1e-12))
 
 
 def run(path: str, split: int = 0, num_clients: int = 10, methods: Sequence[str] = METHODS,
