@@ -10,10 +10,10 @@ TEST_JOBS ?= 2
 
 .PHONY: demo test bench clean
 
-$(STAMP): pyproject.toml
+$(STAMP): pyproject.toml constraints.txt
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install --quiet --upgrade pip
-	$(BIN)/python -m pip install --quiet -e ".[dev,arviz]"
+	$(BIN)/python -m pip install --quiet -c constraints.txt -e ".[dev,arviz]"
 	touch $(STAMP)
 
 demo: $(STAMP)

@@ -110,7 +110,7 @@ def make_pvi(method: str, schedule: str, damping: float, args) -> fedppl.PVI:
                           elbo_samples=0)
     opt = optax.adam(optax.exponential_decay(args.lr, args.local_steps,
                                              args.lr_final / args.lr))
-    return fedppl.PVI(model, guide, schedule, damping, optimizer=opt,
+    return fedppl.PVI(model, guide, schedule, damping, solver="optax", optimizer=opt,
                       local_steps=args.local_steps, num_particles=args.num_particles,
                       conjugate=False, elbo_samples=0)
 
@@ -167,7 +167,7 @@ def run_benchmark(args) -> tuple[list[dict], dict]:
                 np.abs(refs["polya-gamma"] - refs["variational"]).max())}
     if not args.no_globalvi:
         steps = 10 * args.local_steps
-        gvi = fedppl.GlobalVI(model, PVIGuide(model, family="fullrank"),
+        gvi = fedppl.GlobalVI(model, PVIGuide(model, family="fullrank"), solver="optax",
                               optimizer=optax.adam(optax.exponential_decay(
                                   args.lr, steps, args.lr_final / args.lr)),
                               num_steps=steps, num_particles=args.num_particles,

@@ -73,7 +73,8 @@ def time_schedule(schedule: str, clients: fedppl.Clients, args: argparse.Namespa
     guide.setup(*clients.client(0))
     # synchronous PVI needs damping ~1/K to stay stable with many clients
     damping = 1.0 / clients.num_clients
-    pvi = fedppl.PVI(model, guide, schedule=schedule, damping=damping, optimizer=optax.adam(1e-2),
+    pvi = fedppl.PVI(model, guide, schedule=schedule, damping=damping, solver="optax",
+                     optimizer=optax.adam(1e-2),
                      local_steps=args.local_steps, num_particles=1, elbo_samples=0)
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always", RuntimeWarning)

@@ -25,7 +25,8 @@ def _parser() -> argparse.ArgumentParser:
                                        "dataset: table of PVI vs global VI vs clients alone")
     demo.add_argument("--clients", type=int, default=10, help="number of clients (10)")
     demo.add_argument("--rounds", type=int, default=10, help="PVI rounds (10)")
-    demo.add_argument("--local-steps", type=int, default=200, help="optimiser steps per update")
+    demo.add_argument("--local-steps", type=int, default=100,
+                      help="cap on the local step's iterations per update")
     demo.add_argument("--out", default="fedppl-demo.png", help="plot file ('' for none)")
     demo.add_argument("--seed", type=int, default=0)
     demo.add_argument("--no-progress", action="store_true", help="hide progress bars")

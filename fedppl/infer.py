@@ -33,15 +33,20 @@ from fedppl.runtime.embedded import make_round
 
 __all__ = ["PVI", "GlobalVI", "PVIResult"]
 
+SOLVERS = ("natural-gradient", "optax")
+
 
 @dataclass
 class PVIResult:
     """The outcome of a run: the posterior ``q``, the client factors and per-round history.
 
     ``history`` maps to arrays with one row per round: ``free_energy`` (rounds, K) local free
-    energies, ``elbo`` global ELBO estimate, ``messages_up``/``messages_down`` and
-    ``bytes_up``/``bytes_down`` (per round), ``seconds``. ``rejected`` lists
-    ``(round, client, reason)`` for updates the server refused.
+    energies, ``converged`` (rounds, K; 1, 0, or NaN for a client not in the round) whether each
+    local step met its tolerance, ``local_iterations`` (rounds, K), ``kl_change`` the KL from
+    the previous round's q to this round's (how far q still moves), ``elbo`` global ELBO
+    estimate, ``messages_up``/``messages_down`` and ``bytes_up``/``bytes_down`` (per round),
+    ``seconds``. ``rejected`` lists ``(round, client, reason)`` for updates the server refused;
+    ``unconverged`` lists ``(round, client)`` for local steps that stopped at their cap.
     """
 
     guide: PVIGuide
@@ -50,6 +55,7 @@ class PVIResult:
     history: dict[str, np.ndarray]
     rejected: list[tuple[int, str, str]] = field(default_factory=list)
     client_names: tuple[str, ...] = ()
+    unconverged: list[tuple[int, str]] = field(default_factory=list)
 
     @property
     def posterior(self) -> dict[str, Any]:
@@ -80,43 +86,82 @@ class PVI:
     :param schedule: ``"sequential"`` (clients in turn), ``"synchronous"`` (all at once, vmapped)
         or ``"loop"`` (synchronous with a Python loop: for benchmarks).
     :param damping: ``rho`` in (0, 1]: a factor moves ``rho`` of the way to its new value.
-    :param optimizer: optax optimiser for the local free energy (default ``adam(1e-2)``).
-    :param local_steps: optimiser steps per client update.
-    :param num_particles: Monte Carlo samples per ELBO estimate.
+    :param solver: the local step for models without a closed form: ``"natural-gradient"``
+        (default; solves the local problem to ``local_tol``, see
+        :mod:`fedppl.algorithms.natural_gradient`) or ``"optax"`` (``local_steps`` constant-step
+        updates of ``optimizer``; its noise stays in the factors).
+    :param optimizer: optax optimiser for ``solver="optax"`` (default ``adam(1e-2)``).
+    :param local_steps: cap on the local step's iterations (natural-gradient: 100; Polya-Gamma
+        CAVI sweeps: 200) or, for ``"optax"``, its number of steps (200).
+    :param num_particles: Monte Carlo draws of the local objective: the fixed base draws of the
+        natural-gradient step (128, even) or fresh draws per optax step (8).
+    :param local_tol: the local step's convergence tolerance (natural-gradient: ``KL`` between
+        successive iterates, 1e-10; optax: ``KL`` over the last tenth of the steps, 1e-4;
+        Polya-Gamma: relative change of the variational parameters, 1e-10).
     :param conjugate: ``"auto"`` uses the closed-form update when the likelihood is Gaussian and
         affine in the global sites; ``True`` requires it; ``False`` never uses it;
         ``"polya-gamma"`` uses closed-form Polya-Gamma CAVI updates for Bernoulli-logit models
-        (the Jaakkola-Jordan bound; ``local_steps`` caps the CAVI sweeps), see
-        :mod:`fedppl.algorithms.polya_gamma`.
+        (the Jaakkola-Jordan bound), see :mod:`fedppl.algorithms.polya_gamma`.
     :param elbo_samples: Monte Carlo samples for the per-round global ELBO (0 to skip it).
     :param clients_per_round: if given, that many clients, drawn at random each round, take part;
         the others send nothing and keep their factors (client sampling, or clients that dropped
         out of the round).
+    :param line_search: with the natural-gradient solver, the server of a synchronous round
+        scales the combined update down (halving, as far as 2^-10) until the global ELBO, summed
+        from the clients' expected log-likelihoods at the candidate q with the solver's fixed
+        draws, does not drop (one more exchange of scalars per round). Keeps damping 1 from
+        diverging where clients' updates over-count each other (mean-field guides on correlated
+        posteriors, many small clients); accepted steps below 1 are reported as shrunk updates.
+    :param shrink_warning: warn (once per run, naming the clients whose updates shrink q most)
+        when, in any round after the run's first, a marginal sd of q, or the geometric mean of
+        its sds (q's entropy per dimension), falls by more than this factor.
     """
 
     def __init__(self, model: Callable, guide: PVIGuide, schedule: str = "sequential",
-                 damping: float = 1.0, optimizer: optax.GradientTransformation | None = None,
-                 local_steps: int = 200, num_particles: int = 8, conjugate: bool | str = "auto",
-                 elbo_samples: int = 64, clients_per_round: int | None = None):
+                 damping: float = 1.0, *, solver: str = "natural-gradient",
+                 optimizer: optax.GradientTransformation | None = None,
+                 local_steps: int | None = None, num_particles: int | None = None,
+                 local_tol: float | None = None, conjugate: bool | str = "auto",
+                 elbo_samples: int = 64, clients_per_round: int | None = None,
+                 shrink_warning: float = 2.0, line_search: bool = True):
         if not 0.0 < damping <= 1.0:
             raise ValueError(f"damping must be in (0, 1], got {damping}")
         if conjugate not in ("auto", True, False, "polya-gamma"):
             raise ValueError("conjugate must be 'auto', True, False or 'polya-gamma', got "
                              f"{conjugate!r}")
-        if local_steps < 1 or num_particles < 1:
-            raise ValueError("local_steps and num_particles must be positive")
+        if solver not in SOLVERS:
+            raise ValueError(f"solver must be one of {SOLVERS}, got {solver!r}")
+        if local_steps is not None and local_steps < 1:
+            raise ValueError(f"local_steps (the local step's cap) must be >= 1, got {local_steps}")
+        if num_particles is not None and num_particles < 1:
+            raise ValueError(f"num_particles must be positive, got {num_particles}")
+        if solver == "natural-gradient" and num_particles is not None and num_particles % 2:
+            raise ValueError("the natural-gradient solver uses antithetic pairs of draws: "
+                             f"num_particles must be even, got {num_particles}")
+        if local_tol is not None and not local_tol > 0:
+            raise ValueError(f"local_tol must be positive, got {local_tol}")
+        if not shrink_warning > 1:
+            raise ValueError(f"shrink_warning must be a factor > 1, got {shrink_warning}")
+        if optimizer is not None and solver != "optax" and conjugate != "polya-gamma":
+            warnings.warn("optimizer is used only by solver='optax'; the default "
+                          "natural-gradient local step needs no optimiser and ignores it",
+                          UserWarning, stacklevel=2)
         self.model = model
         self.guide = guide
         self.schedule = schedule
         self.damping = float(damping)
+        self.solver = solver
         self.optimizer = optimizer if optimizer is not None else optax.adam(1e-2)
-        self.local_steps = int(local_steps)
-        self.num_particles = int(num_particles)
+        self.local_steps = None if local_steps is None else int(local_steps)
+        self.num_particles = None if num_particles is None else int(num_particles)
+        self.local_tol = local_tol
         self.conjugate = conjugate
         self.elbo_samples = int(elbo_samples)
         if clients_per_round is not None and clients_per_round < 1:
             raise ValueError(f"clients_per_round must be positive, got {clients_per_round}")
         self.clients_per_round = clients_per_round
+        self.shrink_warning = float(shrink_warning)
+        self.line_search = bool(line_search)
         self._compiled: dict = {}  # round and ELBO functions, reused by later runs
 
     # -- set-up --------------------------------------------------------------------------------
@@ -124,9 +169,15 @@ class PVI:
     def _solver(self, clients: Clients) -> pvi.LocalSolver:
         data = tuple(a[0] for a in clients.stacked)
         self.guide.setup(*clients.client(0))
+
+        def opt(value, default):
+            return default if value is None else value
+
         if self.conjugate == "polya-gamma":
             polya_gamma.validate(self.model, self.guide, clients)
-            return polya_gamma.PolyaGammaSolver(self.model, self.guide, self.local_steps)
+            return polya_gamma.PolyaGammaSolver(self.model, self.guide,
+                                                opt(self.local_steps, 200),
+                                                opt(self.local_tol, 1e-10))
         if self.conjugate is not False:
             reason = conjugate.check(client(self.model, mask=clients.mask[0]), self.guide.layout,
                                      *data)
@@ -134,8 +185,12 @@ class PVI:
                 return pvi.ConjugateSolver(self.model, self.guide)
             if self.conjugate is True:
                 raise ValueError(f"conjugate=True but the model is not conjugate: {reason}")
-        return pvi.VariationalSolver(self.model, self.guide, self.optimizer, self.local_steps,
-                                     self.num_particles)
+        if self.solver == "optax":
+            return pvi.VariationalSolver(self.model, self.guide, self.optimizer,
+                                         opt(self.local_steps, 200), opt(self.num_particles, 8),
+                                         opt(self.local_tol, 1e-4))
+        return pvi.NaturalGradientSolver(self.model, self.guide, opt(self.num_particles, 128),
+                                         opt(self.local_steps, 100), opt(self.local_tol, 1e-10))
 
     def init_factors(self, num_clients: int) -> g.Gaussian:
         """Flat factors ``t_k = 1`` for every client (q starts at the prior)."""
@@ -146,40 +201,50 @@ class PVI:
     # -- running -------------------------------------------------------------------------------
 
     def run(self, rng_key: Array, clients: Clients, num_rounds: int, progress_bar: bool = True,
-            factors: g.Gaussian | None = None) -> PVIResult:
-        """Run ``num_rounds`` rounds of PVI; ``factors`` resumes from earlier client factors."""
+            factors: g.Gaussian | None = None, tol: float | None = None) -> PVIResult:
+        """Run up to ``num_rounds`` rounds of PVI; ``factors`` resumes from earlier client factors.
+
+        ``tol`` stops early, after the first round in which q moved by ``KL(q_new || q_old) <=
+        tol`` (the ``kl_change`` history entry).
+        """
         if not isinstance(clients, Clients):
             raise TypeError("clients must be a fedppl.Clients (see fedppl.partition)")
         if num_rounds < 1:
             raise ValueError(f"num_rounds must be positive, got {num_rounds}")
+        if tol is not None and not tol > 0:
+            raise ValueError(f"tol must be positive, got {tol}")
         solver = self._solver(clients)
         K = clients.num_clients
         factors = self.init_factors(K) if factors is None else g.strong(factors)
         state = pvi.init(self.guide.prior, factors)
         data, masks = clients.stacked, clients.mask
         if solver not in self._compiled:
-            self._compiled[solver] = (make_round(solver, self.damping, self.schedule),
+            self._compiled[solver] = (make_round(solver, self.damping, self.schedule,
+                                                 self._line_search_score(solver)),
                                       self._elbo_fn(solver) if self.elbo_samples > 0 else None)
         round_fn, elbo_fn = self._compiled[solver]
         down = g.num_bytes(state.q)
         up = g.num_bytes(jax.tree_util.tree_map(lambda x: x[0], factors))
-        hist: dict[str, list] = {k: [] for k in ("free_energy", "elbo", "messages_up",
-                                                 "messages_down", "bytes_up", "bytes_down",
-                                                 "seconds")}
-        rejected: list[tuple[int, str, str]] = []
+        hist: dict[str, list] = {k: [] for k in HISTORY}
+        log = _RoundLog(clients.names, self.shrink_warning)
         bar = tqdm(range(num_rounds), desc=f"PVI ({self.schedule})", disable=not progress_bar,
                    leave=False)
         for r in bar:
             rng_key, k_round, k_elbo, k_pick = jax.random.split(rng_key, 4)
             active = self._participants(k_pick, K)
             t0 = time.perf_counter()
+            q_old = state.q
             state, factors, msgs, steps = round_fn(state, factors, data, masks, k_round, active)
             jax.block_until_ready(state.q)
             hist["seconds"].append(time.perf_counter() - t0)
             active = np.asarray(active)
-            self._report(r, clients, np.asarray(steps), np.asarray(msgs.cavity_repaired),
-                         active, rejected)
+            change = float(_kl_change(state.q, q_old))
+            log.report(r, np.asarray(steps), msgs, active, q_old, state.q)
+            hist["kl_change"].append(change)
             hist["free_energy"].append(np.where(active, np.asarray(msgs.free_energy), np.nan))
+            hist["converged"].append(np.where(active, np.asarray(msgs.converged, float), np.nan))
+            hist["local_iterations"].append(np.where(active, np.asarray(msgs.iterations, float),
+                                                     np.nan))
             n = int(active.sum())
             hist["messages_up"].append(n)
             hist["messages_down"].append(n)
@@ -187,9 +252,11 @@ class PVI:
             hist["bytes_down"].append(n * down)
             elbo = float(elbo_fn(state.q, data, masks, k_elbo)) if elbo_fn else np.nan
             hist["elbo"].append(elbo)
-            bar.set_postfix(elbo=f"{elbo:.4g}")
+            bar.set_postfix(elbo=f"{elbo:.4g}", kl_change=f"{change:.2g}")
+            if tol is not None and change <= tol:
+                break
         return PVIResult(self.guide, state.q, factors, {k: np.asarray(v) for k, v in hist.items()},
-                         rejected, clients.names)
+                         log.rejected, clients.names, log.unconverged)
 
     def _participants(self, key: Array, num_clients: int) -> Array:
         """Booleans marking this round's clients (all, or a random ``clients_per_round``)."""
@@ -199,28 +266,18 @@ class PVI:
         chosen = jax.random.permutation(key, num_clients)[:m]
         return jnp.zeros(num_clients, bool).at[chosen].set(True)
 
-    @staticmethod
-    def _report(r: int, clients: Clients, steps: np.ndarray, repaired: np.ndarray,
-                active: np.ndarray, rejected: list) -> None:
-        """One warning per kind of trouble per round, naming the clients."""
-        names = clients.names
-        bad = np.nonzero(active & (steps == 0))[0]
-        reason = "update not finite, or q not positive definite with it"
-        for k in bad:
-            rejected.append((r + 1, names[k], reason))
-        if len(bad):
-            warnings.warn(f"round {r + 1}: rejected the updates of {_list(names, bad)} ({reason}); "
-                          "their factors are unchanged", RuntimeWarning, stacklevel=3)
-        shrunk = np.nonzero((steps > 0) & (steps < 1))[0]
-        if len(shrunk):
-            warnings.warn(f"round {r + 1}: updates of {_list(names, shrunk)} applied with step "
-                          f"{steps[shrunk].min():.3g} to keep q positive definite",
-                          RuntimeWarning, stacklevel=3)
-        fixed = np.nonzero(active & repaired)[0]
-        if len(fixed):
-            warnings.warn(f"round {r + 1}: cavities of {_list(names, fixed)} were not positive "
-                          "definite and were repaired (eigenvalues clipped)", RuntimeWarning,
-                          stacklevel=3)
+    def _line_search_score(self, solver: pvi.LocalSolver):
+        """``(q, data, masks) -> ELBO`` with the solver's fixed draws, for the server's line
+        search (natural-gradient solver, ``line_search=True``), else None."""
+        if not self.line_search or not isinstance(solver, pvi.NaturalGradientSolver):
+            return None
+        prior = self.guide.prior
+
+        def score(q, data, masks):
+            ell = jax.vmap(solver.expected_log_lik, (None, 0, 0))(q, data, masks)
+            return jnp.sum(ell) - g.kl(q, prior)
+
+        return score
 
     def _elbo_fn(self, solver: pvi.LocalSolver):
         """Jitted global ELBO ``sum_k E_q[log p(y_k | theta)] - KL(q || prior)``."""
@@ -251,23 +308,108 @@ class PVI:
         return elbo
 
 
-def _list(names: tuple[str, ...], idx: np.ndarray) -> str:
-    return ", ".join(names[k] for k in idx)
+HISTORY = ("free_energy", "elbo", "kl_change", "converged", "local_iterations", "messages_up",
+           "messages_down", "bytes_up", "bytes_down", "seconds")
+
+
+@jax.jit
+def _kl_change(q_new: g.Gaussian, q_old: g.Gaussian) -> Array:
+    return g.kl(q_new, q_old)
+
+
+class _RoundLog:
+    """Turns each round's server outcome into warnings and records, naming the clients: rejected
+    or shrunk updates, repaired cavities, local steps that did not converge, and (once) a round in
+    which q's uncertainty collapsed."""
+
+    def __init__(self, names: tuple[str, ...], shrink_factor: float):
+        self.names = names
+        self.shrink_factor = shrink_factor
+        self.rejected: list[tuple[int, str, str]] = []
+        self.unconverged: list[tuple[int, str]] = []
+        self.shrink_warned = False
+
+    def _list(self, idx) -> str:
+        return ", ".join(self.names[k] for k in idx)
+
+    def report(self, r: int, steps: np.ndarray, msgs, active: np.ndarray, q_old: g.Gaussian,
+               q_new: g.Gaussian) -> None:
+        bad = np.nonzero(active & (steps == 0))[0]
+        reason = "update not finite, or q not positive definite with it"
+        for k in bad:
+            self.rejected.append((r + 1, self.names[k], reason))
+        if len(bad):
+            _warn(f"round {r + 1}: rejected the updates of {self._list(bad)} ({reason}); "
+                  "their factors are unchanged")
+        shrunk = np.nonzero((steps > 0) & (steps < 1))[0]
+        if len(shrunk):
+            _warn(f"round {r + 1}: updates of {self._list(shrunk)} applied with step "
+                  f"{steps[shrunk].min():.3g} to keep q positive definite")
+        fixed = np.nonzero(active & np.asarray(msgs.cavity_repaired))[0]
+        if len(fixed):
+            _warn(f"round {r + 1}: cavities of {self._list(fixed)} were not positive definite and "
+                  "were repaired (eigenvalues clipped)")
+        slow = np.nonzero(active & ~np.asarray(msgs.converged, bool))[0]
+        for k in slow:
+            self.unconverged.append((r + 1, self.names[k]))
+        if len(slow):
+            iters = np.asarray(msgs.iterations)[slow]
+            _warn(f"round {r + 1}: the local steps of {self._list(slow)} did not converge (after "
+                  f"{int(iters.max())} iterations); their updates were applied as they are")
+        if r > 0 and not self.shrink_warned:
+            self._check_shrink(r, q_old, q_new, msgs, steps)
+
+    def _check_shrink(self, r, q_old, q_new, msgs, steps) -> None:
+        sd_old, sd_new = _marginal_sds(q_old), _marginal_sds(q_new)
+        ratio = sd_new / sd_old
+        worst, geo = float(np.min(ratio)), float(np.exp(np.mean(np.log(ratio))))
+        if worst >= 1 / self.shrink_factor and geo >= 1 / self.shrink_factor:
+            return
+        self.shrink_warned = True
+        # each client's own pull: the largest relative rise its delta gives a diagonal precision
+        prec_old = np.asarray(q_old.prec)
+        dprec = np.asarray(msgs.delta.prec)
+        if dprec.ndim == 3:
+            prec_old, dprec = np.diagonal(prec_old), np.diagonal(dprec, axis1=1, axis2=2)
+        pull = np.max(np.asarray(steps)[:, None] * dprec / prec_old, axis=1)
+        top = np.argsort(-pull)[:5]
+        top = top[pull[top] > 0]
+        _warn(f"round {r + 1}: q's uncertainty collapsed (a marginal sd fell to {worst:.3g} of "
+              f"its value, the geometric mean of the sds to {geo:.3g}); the updates that shrink "
+              f"it most are from {self._list(top) or 'no single client'}. This is the first such "
+              "round; later ones are not reported")
+
+
+def _marginal_sds(q: g.Gaussian) -> np.ndarray:
+    _, cov = g.to_moments(q)
+    var = np.asarray(cov) if cov.ndim == 1 else np.diagonal(np.asarray(cov))
+    return np.sqrt(var)
+
+
+def _warn(message: str) -> None:
+    warnings.warn(message, RuntimeWarning, stacklevel=4)
 
 
 class GlobalVI:
     """The same guide family fitted to the pooled data: the answer PVI converges to.
 
     Implemented as PVI with one client holding all the data (its cavity is the prior, so its local
-    free energy is the global ELBO). ``run`` accepts :class:`Clients` (pooled first) or the model's
-    arrays as a tuple.
+    free energy is the global ELBO), with the same local solver. With the default natural-gradient
+    solver and the same ``num_particles``, PVI's fixed point is exactly this one (the same fixed
+    draws; see :mod:`fedppl.algorithms.natural_gradient`). ``run`` accepts :class:`Clients`
+    (pooled first) or the model's arrays as a tuple.
+
+    :param num_steps: the solver's cap (natural-gradient iterations, or optax steps).
     """
 
     def __init__(self, model: Callable, guide: PVIGuide,
                  optimizer: optax.GradientTransformation | None = None, num_steps: int = 2000,
-                 num_particles: int = 8, conjugate: bool | str = "auto", elbo_samples: int = 64):
-        self._pvi = PVI(model, guide, "sequential", 1.0, optimizer, num_steps, num_particles,
-                        conjugate, elbo_samples)
+                 num_particles: int | None = None, conjugate: bool | str = "auto",
+                 elbo_samples: int = 64, solver: str = "natural-gradient",
+                 tol: float | None = None):
+        self._pvi = PVI(model, guide, "sequential", 1.0, solver=solver, optimizer=optimizer,
+                        local_steps=num_steps, num_particles=num_particles, local_tol=tol,
+                        conjugate=conjugate, elbo_samples=elbo_samples)
 
     def run(self, rng_key: Array, data: Clients | tuple, progress_bar: bool = False) -> PVIResult:
         pooled = data.pooled() if isinstance(data, Clients) else Clients.from_list([data])

@@ -28,6 +28,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from fedppl.algorithms.natural_gradient import LocalResult
 from fedppl.clients import Clients
 from fedppl.guides import cavi
 from fedppl.guides.pvi_guide import PVIGuide
@@ -52,8 +53,8 @@ class PolyaGammaSolver(NamedTuple):
 
     def __call__(self, q_cavity, q, data, mask, rng_key):
         lik = cavi.logit_terms(client(self.model, mask=mask), self.guide.layout, *data)
-        q_new, _ = cavi.iterate(q_cavity, lik, q, self.max_iters, self.tol)
-        return q_new, cavi.elbo(q_new, q_cavity, lik)
+        q_new, sweeps = cavi.iterate(q_cavity, lik, q, self.max_iters, self.tol)
+        return LocalResult(q_new, cavi.elbo(q_new, q_cavity, lik), sweeps < self.max_iters, sweeps)
 
 
 def validate(model: Callable, guide: PVIGuide, clients: Clients) -> None:

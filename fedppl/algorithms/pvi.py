@@ -4,14 +4,17 @@ federated sparse GP paper).
 The server holds ``q = p * prod_k t_k``; client ``k`` holds its factor ``t_k``. One client step:
 
 1. cavity ``q_{\\k} = q / t_k`` (repaired if not positive definite, and flagged);
-2. ``q_k = argmax_q E_q[log p(y_k | theta)] - KL(q || q_{\\k})`` by a :class:`LocalSolver`;
+2. ``q_k = argmax_q E_q[log p(y_k | theta)] - KL(q || q_{\\k})`` by a :class:`LocalSolver`
+   (by default :class:`NaturalGradientSolver`, which solves it to a tolerance and says whether it
+   did; the message carries that flag and the iteration count);
 3. new factor ``t_k' = (q_k / q_{\\k})^rho * t_k^(1 - rho)`` (damping ``rho``);
 4. the message is ``delta_k = t_k' / t_k``: the only thing that leaves the client.
 
 The server multiplies the deltas it accepts into ``q``: non-finite deltas are rejected, and if the
-new ``q`` would not be positive definite the step is halved (up to ten times, then dropped). The
-accepted step is acknowledged to the client, which applies the same step to its own factor, so
-``q = p * prod_k t_k`` holds exactly on both sides.
+new ``q`` would not be positive definite (or, given a ``score``, would lower the global ELBO) the
+step is halved (up to ten times, then dropped). The accepted step is acknowledged to the client,
+which applies the same step to its own factor, so ``q = p * prod_k t_k`` holds exactly on both
+sides.
 
 Example (what :class:`fedppl.PVI` does each synchronous round)::
 
@@ -30,16 +33,16 @@ import jax.numpy as jnp
 import optax
 from jax import Array
 from numpyro import handlers
-from numpyro.infer import Trace_ELBO
 
 from fedppl.algorithms import conjugate
+from fedppl.algorithms.natural_gradient import LocalResult, NaturalGradientSolver, log_lik_fn
 from fedppl.families import gaussian as g
 from fedppl.guides.pvi_guide import PVIGuide
-from fedppl.handlers.cavity import cavity
 from fedppl.handlers.client import client
 
 __all__ = [
-    "ServerState", "ClientMessage", "LocalSolver", "VariationalSolver", "ConjugateSolver",
+    "ServerState", "ClientMessage", "LocalSolver", "LocalResult", "NaturalGradientSolver",
+    "VariationalSolver", "ConjugateSolver",
     "init", "client_update", "server_update", "acknowledge", "observed_log_lik",
 ]
 
@@ -57,20 +60,31 @@ class ClientMessage(NamedTuple):
     delta: g.Gaussian
     free_energy: Array
     cavity_repaired: Array
+    converged: Array
+    iterations: Array
 
 
 class LocalSolver(Protocol):
-    """Maximises client k's local free energy: ``(cavity, q, data, mask, key) -> (q_k, F_k)``."""
+    """Maximises client k's local free energy: ``(cavity, q, data, mask, key) -> LocalResult``.
+
+    :class:`NaturalGradientSolver` (the default), :class:`ConjugateSolver`,
+    :class:`VariationalSolver` and the Polya-Gamma solver implement it.
+    """
 
     def __call__(self, q_cavity: g.Gaussian, q: g.Gaussian, data: tuple, mask: Array,
-                 rng_key: Array) -> tuple[g.Gaussian, Array]: ...
+                 rng_key: Array) -> LocalResult: ...
 
 
 class VariationalSolver(NamedTuple):
-    """Stochastic maximisation of the ELBO of ``cavity(client(model))`` under the guide.
+    """Constant-step stochastic optimisation of the local free energy with an optax optimiser.
 
-    Starts from the current ``q`` and runs ``steps`` optax updates under ``lax.scan``; returns the
-    optimised q and a final free-energy estimate.
+    Starts from the current ``q`` and runs ``steps`` updates of the guide's parameters (mean and
+    scale) under ``lax.scan``, each with ``num_particles`` fresh reparametrised draws for the
+    expected log-likelihood; the KL to the cavity is in closed form. Its optimiser noise stays in
+    the factor, so PVI with it does not reach global VI's answer exactly
+    (``benchmarks/pvi_accuracy.py``); kept for comparison and for models whose Hessian is too
+    costly. ``converged`` reports whether ``KL(q_T || q_{0.9T}) <= tol`` over the last tenth of
+    the steps.
     """
 
     model: Callable
@@ -78,14 +92,19 @@ class VariationalSolver(NamedTuple):
     optimizer: optax.GradientTransformation
     steps: int
     num_particles: int = 8
+    tol: float = 1e-4
 
     def __call__(self, q_cavity, q, data, mask, rng_key):
-        elbo = Trace_ELBO(num_particles=self.num_particles)
-        local_model = cavity(client(self.model, mask=mask), q_cavity=q_cavity,
-                             layout=self.guide.layout)
+        log_lik = log_lik_fn(self.model, self.guide, data, mask)
+        guide, S = self.guide, self.num_particles
+        cav_mean, _ = g.to_moments(q_cavity)
 
         def loss(params, key):
-            return elbo.loss(key, params, local_model, self.guide, *data)
+            mean, tril = guide.mean_and_tril(params)
+            eps = jax.random.normal(key, (S, mean.shape[-1]), dtype=mean.dtype)
+            theta = mean + (eps * tril if guide.diag else eps @ tril.T)
+            ell = jnp.mean(jax.vmap(log_lik)(theta))
+            return g.kl_from_moments(mean, tril, q_cavity, cav_mean) - ell
 
         def step(carry, key):
             params, opt_state = carry
@@ -93,10 +112,16 @@ class VariationalSolver(NamedTuple):
             updates, opt_state = self.optimizer.update(grads, opt_state, params)
             return (optax.apply_updates(params, updates), opt_state), value
 
-        params = self.guide.params_from(q)
+        params = guide.params_from(q)
         keys = jax.random.split(rng_key, self.steps + 1)
-        (params, _), _ = jax.lax.scan(step, (params, self.optimizer.init(params)), keys[1:])
-        return self.guide.q_from(params), -loss(params, keys[0])
+        head = self.steps - max(self.steps // 10, 1)
+        carry, _ = jax.lax.scan(step, (params, self.optimizer.init(params)), keys[1:head + 1])
+        mid = guide.q_from(carry[0])
+        (params, _), _ = jax.lax.scan(step, carry, keys[head + 1:])
+        q_new = guide.q_from(params)
+        change = g.kl(q_new, mid)
+        return LocalResult(q_new, -loss(params, keys[0]), change <= self.tol,
+                           jnp.asarray(self.steps))
 
 
 class ConjugateSolver(NamedTuple):
@@ -112,7 +137,7 @@ class ConjugateSolver(NamedTuple):
         q_new = g.project_diag(target) if self.guide.diag else target
         mean, cov = g.to_moments(g.to_full(q_new))
         free_energy = conjugate.expected_log_lik(lik, mean, cov) - g.kl(q_new, q_cavity)
-        return q_new, free_energy
+        return LocalResult(q_new, free_energy, jnp.asarray(True), jnp.asarray(1))
 
 
 # -- the trio ------------------------------------------------------------------------------------
@@ -128,14 +153,21 @@ def client_update(q: g.Gaussian, factor: g.Gaussian, data: tuple, mask: Array, r
                   solver: LocalSolver, damping: float | Array) -> tuple[ClientMessage, g.Gaussian]:
     """One PVI step on one client; returns the message and the client's proposed new factor."""
     q_cav, repaired = g.repair(g.quotient(q, factor))
-    q_k, free_energy = solver(q_cav, q, data, mask, rng_key)
-    new_factor = g.damp(factor, g.quotient(q_k, q_cav), damping)
-    return ClientMessage(g.quotient(new_factor, factor), free_energy, repaired), new_factor
+    out = solver(q_cav, q, data, mask, rng_key)
+    new_factor = g.damp(factor, g.quotient(out.q, q_cav), damping)
+    msg = ClientMessage(g.quotient(new_factor, factor), out.free_energy, repaired, out.converged,
+                        out.iterations)
+    return msg, new_factor
 
 
-def server_update(state: ServerState, messages: ClientMessage, received: Array | None = None
+def server_update(state: ServerState, messages: ClientMessage, received: Array | None = None,
+                  score: Callable[[g.Gaussian], Array] | None = None
                   ) -> tuple[ServerState, Array]:
-    """Apply the finite deltas (stacked on axis 0), halving the step while q is not PD.
+    """Apply the finite deltas (stacked on axis 0) with the largest step in 1, 1/2, ..., 2^-10
+    that keeps q positive definite and, if ``score`` (q -> global ELBO) is given, does not lower
+    the ELBO by more than ``1e-2 + 1e-6 |ELBO|`` nats (a line search along the combined update;
+    the slack absorbs the Monte Carlo mismatch between a solver's fixed point and its ELBO
+    estimate).
 
     ``received`` (booleans, one per message) marks the clients that replied this round; the
     others' slots are ignored. Returns the new state and the step each client's delta was applied
@@ -150,8 +182,13 @@ def server_update(state: ServerState, messages: ClientMessage, received: Array |
     total = jax.tree_util.tree_map(lambda d: jnp.sum(d, axis=0), clean)
     sizes = jnp.asarray(STEP_SIZES, dtype=total.nat1.dtype)
     candidates = jax.vmap(lambda s: g.product(state.q, g.scale(total, s)))(sizes)
-    pd = g.is_pd(candidates)
-    step = jnp.where(jnp.any(pd), sizes[jnp.argmax(pd)], 0.0)
+    accept = g.is_pd(candidates)
+    if score is not None:
+        current = score(state.q)
+        floor = current - 1e-2 - 1e-6 * jnp.abs(current)
+        values = jax.lax.map(score, candidates)
+        accept = accept & (values >= floor)
+    step = jnp.where(jnp.any(accept), sizes[jnp.argmax(accept)], 0.0)
     q = g.product(state.q, g.scale(total, step))
     return ServerState(q, state.round + 1), jnp.where(ok, step, 0.0)
 

@@ -46,6 +46,7 @@ __all__ = [
     "to_moments",
     "mean_and_scale_tril",
     "kl",
+    "kl_from_moments",
     "log_prob",
     "sample",
     "is_pd",
@@ -199,6 +200,21 @@ def kl(q: Gaussian, p: Gaussian) -> Array:
     trace = jnp.sum(p.prec * cq, axis=(-2, -1))
     maha = jnp.einsum("...i,...ij,...j->...", diff, p.prec, diff)
     return 0.5 * (trace + maha - d + _logdet_pd(q.prec) - _logdet_pd(p.prec))
+
+
+def kl_from_moments(mean: Array, scale: Array, p: Gaussian, p_mean: Array) -> Array:
+    """KL(N(mean, scale scale^T) || p) for a q given by its mean and scale (a std vector when
+    ``p`` is diagonal, else a lower-triangular factor), with ``p_mean`` the mean of ``p``.
+
+    Needs no solve with q's scale, so it is cheap to differentiate with respect to it."""
+    diff = mean - p_mean
+    if isinstance(p, DiagGaussian):
+        var = scale**2
+        return 0.5 * jnp.sum(p.prec * var + p.prec * diff**2 - 1.0 - jnp.log(p.prec * var), axis=-1)
+    trace = jnp.sum((p.prec @ scale) * scale, axis=(-2, -1))
+    maha = jnp.einsum("...i,...ij,...j->...", diff, p.prec, diff)
+    logdet_q = 2.0 * jnp.sum(jnp.log(jnp.abs(jnp.diagonal(scale, axis1=-2, axis2=-1))), axis=-1)
+    return 0.5 * (trace + maha - p.dim - logdet_q - _logdet_pd(p.prec))
 
 
 def log_prob(g: Gaussian, x: Array) -> Array:

@@ -97,6 +97,11 @@ class PVIGuide:
         raw = jnp.tril(sc, -1) + jnp.einsum("...i,ij->...ij", jnp.log(diag), jnp.eye(sc.shape[-1]))
         return {"pvi_loc": mean, "pvi_scale_raw": raw}
 
+    def mean_and_tril(self, params: dict[str, Array]) -> tuple[Array, Array]:
+        """q's mean and scale (a std vector for mean-field, else the lower Cholesky factor)."""
+        loc, raw = params["pvi_loc"], params["pvi_scale_raw"]
+        return loc, (jnp.exp(raw) if self.diag else _tril_from_raw(raw))
+
     def q_from(self, params: dict[str, Array]) -> g.Gaussian:
         """The Gaussian (natural parameters) that the guide parameters describe."""
         loc, raw = params["pvi_loc"], params["pvi_scale_raw"]

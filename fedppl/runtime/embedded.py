@@ -16,10 +16,12 @@ Example::
 
 from __future__ import annotations
 
-from functools import partial
+import warnings
+from functools import lru_cache, partial
 from typing import Callable
 
 import jax
+import jaxlib
 import numpy as np
 from jax import Array
 
@@ -36,11 +38,18 @@ RoundFn = Callable[
 ]
 
 
-def make_round(solver: pvi.LocalSolver, damping: float, schedule: str) -> RoundFn:
+def make_round(solver: pvi.LocalSolver, damping: float, schedule: str,
+               score: Callable | None = None) -> RoundFn:
     """A function ``(state, factors, data, masks, key, active) -> (state, factors, messages,
-    steps)``; ``active`` (K booleans) marks the clients taking part in the round."""
+    steps)``; ``active`` (K booleans) marks the clients taking part in the round.
+
+    ``score(q, data, masks)`` (the global ELBO), if given, makes the server's step of a
+    synchronous round a line search on it (:func:`fedppl.algorithms.pvi.server_update`); the
+    sequential schedule applies each client's update at once and does not use it.
+    """
     if schedule not in SCHEDULES:
         raise ValueError(f"schedule must be one of {SCHEDULES}, got {schedule!r}")
+    check_cpu_lapack()
     step = partial(pvi.client_update, solver=solver, damping=damping)
 
     if schedule == "synchronous":
@@ -49,7 +58,8 @@ def make_round(solver: pvi.LocalSolver, damping: float, schedule: str) -> RoundF
         def round_fn(state, factors, data, masks, key, active):
             keys = jax.random.split(key, masks.shape[0])
             msgs, _ = jax.vmap(step, in_axes=(None, 0, 0, 0, 0))(state.q, factors, data, masks, keys)
-            state, steps = pvi.server_update(state, msgs, active)
+            elbo = None if score is None else partial(score, data=data, masks=masks)
+            state, steps = pvi.server_update(state, msgs, active, elbo)
             return state, pvi.acknowledge(factors, msgs, steps), msgs, steps
 
         return round_fn
@@ -79,7 +89,8 @@ def make_round(solver: pvi.LocalSolver, damping: float, schedule: str) -> RoundF
         return round_fn
 
     client_jit = jax.jit(step)
-    server_jit = jax.jit(pvi.server_update)
+    server_jit = jax.jit(lambda state, msgs, active, data, masks: pvi.server_update(
+        state, msgs, active, None if score is None else partial(score, data=data, masks=masks)))
     ack_jit = jax.jit(pvi.acknowledge)
 
     def round_fn(state, factors, data, masks, key, active):
@@ -93,10 +104,28 @@ def make_round(solver: pvi.LocalSolver, damping: float, schedule: str) -> RoundF
         blank = jax.tree_util.tree_map(np.zeros_like, next(iter(replies.values())))
         msgs = [replies.get(k, blank) for k in range(masks.shape[0])]
         msgs = jax.tree_util.tree_map(lambda *xs: np.stack(xs), *msgs)
-        state, steps = server_jit(state, msgs, active)
+        state, steps = server_jit(state, msgs, active, data, masks)
         return state, ack_jit(factors, msgs, steps), msgs, steps
 
     return round_fn
+
+
+@lru_cache(maxsize=1)
+def check_cpu_lapack() -> bool:
+    """Warn once if this is a CPU jaxlib whose batched LAPACK calls can deadlock (0.10.x).
+
+    jaxlib 0.10 hands every batched CPU factorisation and triangular solve (what ``vmap`` over
+    clients makes of them) to a thread-pool batch map; PVI rounds on a 2-core machine hung there
+    with every thread waiting. jaxlib 0.9.2 runs them on the calling thread: ``make test`` and
+    ``make demo`` install it (``constraints.txt``). Returns whether it warned.
+    """
+    version = tuple(int(p) for p in jaxlib.__version__.split(".")[:2] if p.isdigit())
+    if jax.default_backend() != "cpu" or version[:2] != (0, 10):
+        return False
+    warnings.warn(f"jaxlib {jaxlib.__version__} on CPU: batched LAPACK calls under vmap can "
+                  "deadlock (seen in synchronous rounds with many clients); install "
+                  "jax==0.9.2 jaxlib==0.9.2 (see constraints.txt)", RuntimeWarning, stacklevel=3)
+    return True
 
 
 def _index(tree, k: int):

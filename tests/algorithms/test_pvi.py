@@ -17,7 +17,8 @@ def state():
 def messages(deltas):
     return pvi.ClientMessage(
         g.FullGaussian(jnp.stack([d[0] for d in deltas]), jnp.stack([d[1] for d in deltas])),
-        jnp.zeros(len(deltas)), jnp.zeros(len(deltas), bool))
+        jnp.zeros(len(deltas)), jnp.zeros(len(deltas), bool), jnp.ones(len(deltas), bool),
+        jnp.ones(len(deltas), int))
 
 
 def test_non_finite_delta_is_rejected_and_the_rest_applied():
@@ -42,3 +43,21 @@ def test_step_is_halved_until_q_is_positive_definite():
     np.testing.assert_allclose(factors.prec[0], -0.75 * jnp.eye(2))
     # q = prior * prod t_k still holds on both sides
     np.testing.assert_allclose(new.q.prec, jnp.eye(2) + factors.prec[0])
+
+
+def test_line_search_refuses_a_step_that_lowers_the_score():
+    """With a score, the server takes the largest step that does not lower it (beyond slack)."""
+    s = state()
+    move = (jnp.array([3.0, 0.0]), jnp.zeros((2, 2)))  # moves q's mean from 0 to (3, 0)
+
+    def score(q):  # best at mean (1, 0): a full step overshoots to 3 (score -4 < -1 now)
+        mean, _ = g.to_moments(q)
+        return -jnp.sum((mean - jnp.array([1.0, 0.0])) ** 2)
+
+    new, steps = pvi.server_update(s, messages([move]), score=score)
+    assert float(steps[0]) == 0.5
+    np.testing.assert_allclose(g.to_moments(new.q)[0], [1.5, 0.0])
+    # without a score the full step is taken
+    _, steps = pvi.server_update(s, messages([move]))
+    assert float(steps[0]) == 1.0
+
