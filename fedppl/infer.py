@@ -106,12 +106,13 @@ class PVI:
     :param clients_per_round: if given, that many clients, drawn at random each round, take part;
         the others send nothing and keep their factors (client sampling, or clients that dropped
         out of the round).
-    :param line_search: with the natural-gradient solver, the server of a synchronous round
-        scales the combined update down (halving, as far as 2^-10) until the global ELBO, summed
-        from the clients' expected log-likelihoods at the candidate q with the solver's fixed
-        draws, does not drop (one more exchange of scalars per round). Keeps damping 1 from
-        diverging where clients' updates over-count each other (mean-field guides on correlated
-        posteriors, many small clients); accepted steps below 1 are reported as shrunk updates.
+    :param line_search: with the natural-gradient or conjugate solver, the server of a synchronous
+        round scales the combined update down (halving, as far as 2^-10) until the global ELBO,
+        summed from the clients' expected log-likelihoods at the candidate q (with the solver's
+        fixed draws, or in closed form), does not drop (one more exchange of scalars per round).
+        Keeps damping 1 from diverging where clients' updates over-count each other (mean-field
+        guides on correlated posteriors, many small clients); accepted steps below 1 are reported
+        as shrunk updates.
     :param shrink_warning: warn (once per run, naming the clients whose updates shrink q most)
         when, in any round after the run's first, a marginal sd of q, or the geometric mean of
         its sds (q's entropy per dimension), falls by more than this factor.
@@ -267,15 +268,16 @@ class PVI:
         return jnp.zeros(num_clients, bool).at[chosen].set(True)
 
     def _line_search_score(self, solver: pvi.LocalSolver):
-        """``(q, data, masks) -> ELBO`` with the solver's fixed draws, for the server's line
-        search (natural-gradient solver, ``line_search=True``), else None."""
-        if not self.line_search or not isinstance(solver, pvi.NaturalGradientSolver):
+        """``(q, data, masks) -> (per-client E_q[log p(y_k | theta)], KL(q || prior))`` (with the
+        natural-gradient solver's fixed draws, or in closed form for the conjugate one) for the
+        server's line search, else None."""
+        if not self.line_search or not hasattr(solver, "expected_log_lik"):
             return None
         prior = self.guide.prior
 
         def score(q, data, masks):
             ell = jax.vmap(solver.expected_log_lik, (None, 0, 0))(q, data, masks)
-            return jnp.sum(ell) - g.kl(q, prior)
+            return ell, g.kl(q, prior)
 
         return score
 

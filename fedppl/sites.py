@@ -109,6 +109,7 @@ class SiteLayout:
                 )
         if not names:
             raise ValueError("the model has no latent sample sites to infer")
+        _refuse_dependent_priors(model, args, kwargs, {n: latent[n] for n in names})
         sites, start = [], 0
         for name in names:
             site = latent[name]
@@ -158,6 +159,35 @@ class SiteLayout:
             else dist.MultivariateNormal(mean, covariance_matrix=cov)
         )
         return transformed(base, s)
+
+
+def _refuse_dependent_priors(model: Callable, args: tuple, kwargs: dict, latent: dict) -> None:
+    """Raise if a global site's prior changes with the values of other latent sites.
+
+    The prior is read once, from one trace; a prior such as ``Normal(mu, tau)`` with ``mu`` and
+    ``tau`` latent would be read as a Gaussian with one random draw of them. A second trace with
+    other values shows the dependence.
+    """
+    other = handlers.trace(handlers.seed(model, 1)).get_trace(*args, **kwargs)
+    for name, site in latent.items():
+        try:
+            a = jax.tree_util.tree_leaves(site["fn"])
+            b = jax.tree_util.tree_leaves(other[name]["fn"])
+        except (KeyError, TypeError, NotImplementedError):  # not a pytree: nothing to compare
+            continue
+        same = len(a) == len(b) and all(
+            np.shape(x) == np.shape(y) and np.allclose(np.asarray(x), np.asarray(y))
+            for x, y in zip(a, b)
+        )
+        if not same:
+            raise NonGaussianPriorError(
+                f"the prior of global site '{name}' depends on other latent sites (its "
+                "parameters changed with their values between two traces of the model), so it "
+                "is not one Gaussian over the unconstrained sites. PVIGuide does not support such "
+                "hierarchical priors yet: make its parameters fixed (or observed), or make the "
+                "site a deterministic function of fixed-prior sites (non-centred form, e.g. "
+                "alpha = mu + tau * z with z ~ Normal(0, 1))"
+            )
 
 
 def transformed(base: dist.Distribution, site: Site) -> dist.Distribution:

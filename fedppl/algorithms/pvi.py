@@ -135,9 +135,14 @@ class ConjugateSolver(NamedTuple):
         cav_full = g.to_full(q_cavity)
         target = g.product(cav_full, conjugate.likelihood_factor(lik))
         q_new = g.project_diag(target) if self.guide.diag else target
-        mean, cov = g.to_moments(g.to_full(q_new))
-        free_energy = conjugate.expected_log_lik(lik, mean, cov) - g.kl(q_new, q_cavity)
+        free_energy = self.expected_log_lik(q_new, data, mask) - g.kl(q_new, q_cavity)
         return LocalResult(q_new, free_energy, jnp.asarray(True), jnp.asarray(1))
+
+    def expected_log_lik(self, q: g.Gaussian, data: tuple, mask: Array) -> Array:
+        """The client's ``E_q[log p(y_k | theta)]`` in closed form."""
+        lik = conjugate.likelihood_terms(client(self.model, mask=mask), self.guide.layout, *data)
+        mean, cov = g.to_moments(g.to_full(q))
+        return conjugate.expected_log_lik(lik, mean, cov)
 
 
 # -- the trio ------------------------------------------------------------------------------------
@@ -161,14 +166,16 @@ def client_update(q: g.Gaussian, factor: g.Gaussian, data: tuple, mask: Array, r
 
 
 def server_update(state: ServerState, messages: ClientMessage, received: Array | None = None,
-                  score: Callable[[g.Gaussian], Array] | None = None
+                  score: Callable[[g.Gaussian], tuple[Array, Array]] | None = None
                   ) -> tuple[ServerState, Array]:
     """Apply the finite deltas (stacked on axis 0) with the largest step in 1, 1/2, ..., 2^-10
-    that keeps q positive definite and, if ``score`` (q -> global ELBO) is given, does not lower
-    the ELBO by more than ``1e-2 + 1e-6 |ELBO|`` nats (a line search along the combined update;
-    the slack absorbs the Monte Carlo mismatch between a solver's fixed point and its ELBO
-    estimate).
+    that keeps q positive definite and, if ``score`` is given, does not lower the global ELBO by
+    more than ``1e-2 + 1e-6 |ELBO|`` nats (a line search along the combined update; the slack
+    absorbs the Monte Carlo mismatch between a solver's fixed point and its ELBO estimate).
 
+    ``score(q)`` returns the clients' expected log-likelihoods under ``q`` (one per client) and
+    ``KL(q || prior)``; the ELBO sums the clients whose updates are applied and whose expected
+    log-likelihood is finite, so a client with bad data cannot stall the others.
     ``received`` (booleans, one per message) marks the clients that replied this round; the
     others' slots are ignored. Returns the new state and the step each client's delta was applied
     with (0 = not applied).
@@ -184,9 +191,15 @@ def server_update(state: ServerState, messages: ClientMessage, received: Array |
     candidates = jax.vmap(lambda s: g.product(state.q, g.scale(total, s)))(sizes)
     accept = g.is_pd(candidates)
     if score is not None:
-        current = score(state.q)
+        ell, kl = score(state.q)
+        use = ok & jnp.isfinite(ell)
+
+        def elbo(ell, kl):
+            return jnp.sum(jnp.where(use, ell, 0.0), axis=-1) - kl
+
+        current = elbo(ell, kl)
         floor = current - 1e-2 - 1e-6 * jnp.abs(current)
-        values = jax.lax.map(score, candidates)
+        values = elbo(*jax.lax.map(score, candidates))
         accept = accept & (values >= floor)
     step = jnp.where(jnp.any(accept), sizes[jnp.argmax(accept)], 0.0)
     q = g.product(state.q, g.scale(total, step))

@@ -52,7 +52,7 @@ def test_line_search_refuses_a_step_that_lowers_the_score():
 
     def score(q):  # best at mean (1, 0): a full step overshoots to 3 (score -4 < -1 now)
         mean, _ = g.to_moments(q)
-        return -jnp.sum((mean - jnp.array([1.0, 0.0])) ** 2)
+        return -jnp.sum((mean - jnp.array([1.0, 0.0])) ** 2, keepdims=True), jnp.zeros(())
 
     new, steps = pvi.server_update(s, messages([move]), score=score)
     assert float(steps[0]) == 0.5
