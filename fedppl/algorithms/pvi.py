@@ -174,8 +174,10 @@ def server_update(state: ServerState, messages: ClientMessage, received: Array |
     absorbs the Monte Carlo mismatch between a solver's fixed point and its ELBO estimate).
 
     ``score(q)`` returns the clients' expected log-likelihoods under ``q`` (one per client) and
-    ``KL(q || prior)``; the ELBO sums the clients whose updates are applied and whose expected
-    log-likelihood is finite, so a client with bad data cannot stall the others.
+    ``KL(q || prior)``; the ELBO sums every client whose expected log-likelihood is finite and
+    whose delta is finite, so a client with bad data cannot stall the others. Clients that sat
+    the round out still count (in the embedded runtime their data are at hand; a deployment
+    would stand in their factors for them).
     ``received`` (booleans, one per message) marks the clients that replied this round; the
     others' slots are ignored. Returns the new state and the step each client's delta was applied
     with (0 = not applied).
@@ -192,7 +194,7 @@ def server_update(state: ServerState, messages: ClientMessage, received: Array |
     accept = g.is_pd(candidates)
     if score is not None:
         ell, kl = score(state.q)
-        use = ok & jnp.isfinite(ell)
+        use = g.is_finite(messages.delta) & jnp.isfinite(ell)
 
         def elbo(ell, kl):
             return jnp.sum(jnp.where(use, ell, 0.0), axis=-1) - kl

@@ -193,3 +193,23 @@ def test_collapse_warning_names_the_client(linear_data):
         if (0, 1) in seen and len(seen) > 1:
             break
     assert (0, 1) in seen
+
+
+def test_client_sampling_reaches_the_same_fixed_point(logistic_data):
+    """Three of six clients a round, damping 1, with the server's line search: the fixed point is
+    still global VI's (the absent clients count in the ELBO the line search guards)."""
+    X, y = logistic_data
+    clients = fedppl.partition.by_feature(X, y, 6, feature=0)
+    ref = fedppl.GlobalVI(logistic_model, PVIGuide(logistic_model, family="fullrank")).run(
+        jax.random.key(0), clients)
+    m0, sd0 = _moments(ref)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always", RuntimeWarning)
+        res = fedppl.PVI(logistic_model, PVIGuide(logistic_model, family="fullrank"),
+                         "synchronous", clients_per_round=3, elbo_samples=0).run(
+            jax.random.key(2), clients, 40, progress_bar=False)
+    # an ELBO that left out the absent clients made the line search shrink good steps
+    assert not [w for w in caught if "applied with step" in str(w.message)]
+    mean_err, sd_err = _errors(res, m0, sd0)
+    assert mean_err < 1e-3 and sd_err < 1e-3, (mean_err, sd_err)
+    assert np.all(res.history["messages_up"] == 3)
