@@ -346,7 +346,8 @@ class _RoundLog:
         shrunk = np.nonzero((steps > 0) & (steps < 1))[0]
         if len(shrunk):
             _warn(f"round {r + 1}: updates of {self._list(shrunk)} applied with step "
-                  f"{steps[shrunk].min():.3g} to keep q positive definite")
+                  f"{steps[shrunk].min():.3g} to keep q positive definite (and, with the line "
+                  "search, the global ELBO from dropping)")
         fixed = np.nonzero(active & np.asarray(msgs.cavity_repaired))[0]
         if len(fixed):
             _warn(f"round {r + 1}: cavities of {self._list(fixed)} were not positive definite and "
