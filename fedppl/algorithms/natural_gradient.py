@@ -143,7 +143,7 @@ def solve(log_lik: Callable[[Array], Array], q_cavity: g.Gaussian, q_init: g.Gau
     inf = jnp.asarray(jnp.inf, dtype)
 
     def body(state):
-        q, beta, last, _, i, _ = state
+        q, beta, last, i, _ = state
         aim = target(log_lik, q_cavity, q, eps)
         steps = beta * betas
         candidates = jax.vmap(lambda b: g.damp(q, aim, b))(steps)
@@ -158,14 +158,14 @@ def solve(log_lik: Callable[[Array], Array], q_cavity: g.Gaussian, q_init: g.Gau
         residual = change / steps[pick] ** 2
         beta = jnp.where((residual > last) & (i > 0), 0.5 * beta,
                          jnp.minimum(1.25 * beta, step_size))
-        return q_new, beta, residual, residual, i + 1, ok & (beta > MIN_STEP)
+        return q_new, beta, residual, i + 1, ok & (beta > MIN_STEP)
 
     def cond(state):
-        _, _, _, residual, i, ok = state
+        _, _, residual, i, ok = state
         return (i < max_iters) & (residual > tol) & ok
 
-    init = (q_init, jnp.asarray(step_size, dtype), inf, inf, jnp.asarray(0), jnp.asarray(True))
-    q, _, _, residual, iters, _ = jax.lax.while_loop(cond, body, init)
+    init = (q_init, jnp.asarray(step_size, dtype), inf, jnp.asarray(0), jnp.asarray(True))
+    q, _, residual, iters, _ = jax.lax.while_loop(cond, body, init)
     free_energy = expected_log_lik(log_lik, q, eps) - g.kl(q, q_cavity)
     return LocalResult(q, free_energy, residual <= tol, iters)
 
