@@ -98,7 +98,7 @@ def log_lik_fn(model: Callable, guide: PVIGuide, data: tuple, mask: Array
 
 def expected_log_lik(log_lik: Callable[[Array], Array], q: g.Gaussian, eps: Array) -> Array:
     """``E_q[log p(y | theta)]`` by the reparametrised draws ``theta = m + L eps``."""
-    return jnp.mean(jax.vmap(log_lik)(_draws(q, eps)))
+    return jnp.mean(jax.vmap(log_lik)(_draws(q, eps)[1]))
 
 
 class NaturalGradientSolver(NamedTuple):
@@ -108,7 +108,8 @@ class NaturalGradientSolver(NamedTuple):
     :param guide: the :class:`PVIGuide` (set up); its family decides full or diagonal updates.
     :param num_draws: ``S``, the fixed base draws (even; antithetic pairs).
     :param max_iters: cap on iterations per local step.
-    :param tol: converged when ``KL(q_new || q_old) <= tol`` between successive iterates.
+    :param tol: converged when the residual ``KL(q_new || q_old) / step^2`` (module doc) is at
+        most ``tol``.
     :param seed: seed of the base draws (the same for every client and round).
     :param step_size: the first iteration's ``beta``.
     """
@@ -179,8 +180,7 @@ def target(log_lik: Callable[[Array], Array], q_cavity: g.Gaussian, q: g.Gaussia
     condition), and the mean takes a Newton step with the full ``P``; the diagonal-only step
     would be a Jacobi iteration, which diverges when the sites are strongly correlated.
     """
-    mean, _ = g.to_moments(q)
-    theta = _draws(q, eps)
+    mean, theta = _draws(q, eps)
     grads, hess = jax.vmap(lambda t: (jax.grad(log_lik)(t), jax.hessian(log_lik)(t)))(theta)
     eg, eh = jnp.mean(grads, axis=0), jnp.mean(hess, axis=0)
     eh = 0.5 * (eh + eh.T)
@@ -196,8 +196,9 @@ def target(log_lik: Callable[[Array], Array], q_cavity: g.Gaussian, q: g.Gaussia
     return g.DiagGaussian(diag * (mean + step), diag)
 
 
-def _draws(q: g.Gaussian, eps: Array) -> Array:
+def _draws(q: g.Gaussian, eps: Array) -> tuple[Array, Array]:
+    """q's mean and the draws ``theta = m + L eps`` (one factorisation for both)."""
     mean, sc = g.mean_and_scale_tril(q)
     if isinstance(q, g.DiagGaussian):
-        return mean + eps * sc
-    return mean + eps @ sc.T
+        return mean, mean + eps * sc
+    return mean, mean + eps @ sc.T

@@ -195,7 +195,7 @@ def kl(q: Gaussian, p: Gaussian) -> Array:
     mp, _ = to_moments(p)
     diff = mq - mp
     if isinstance(q, DiagGaussian):
-        return 0.5 * jnp.sum(p.prec * cq + p.prec * diff**2 - 1.0 - jnp.log(p.prec * cq), axis=-1)
+        return kl_from_moments(mq, jnp.sqrt(cq), p, mp)
     d = q.dim
     trace = jnp.sum(p.prec * cq, axis=(-2, -1))
     maha = jnp.einsum("...i,...ij,...j->...", diff, p.prec, diff)
