@@ -15,16 +15,19 @@ from __future__ import annotations
 import time
 import warnings
 from dataclasses import dataclass, field
+from functools import partial
 from typing import Any, Callable
 
 import jax
 import jax.numpy as jnp
 import numpy as np
+import numpyro.distributions as dist
 import optax
 from jax import Array
 from tqdm.auto import tqdm
 
-from fedppl.algorithms import conjugate, polya_gamma, pvi
+from fedppl.algorithms import conjugate, natural_gradient, polya_gamma, pvi
+from fedppl.algorithms.natural_gradient import PriorSolver
 from fedppl.clients import Clients
 from fedppl.families import gaussian as g
 from fedppl.guides.pvi_guide import PVIGuide
@@ -56,15 +59,49 @@ class PVIResult:
     rejected: list[tuple[int, str, str]] = field(default_factory=list)
     client_names: tuple[str, ...] = ()
     unconverged: list[tuple[int, str]] = field(default_factory=list)
+    local: g.Conditional | None = None  # the clients' private guides, stacked (local sites)
+    prior_factor: g.Gaussian | None = None  # the server's t_0 (non-Gaussian priors)
+    model: Callable | None = None  # the model as run (static keyword arguments bound)
 
     @property
     def posterior(self) -> dict[str, Any]:
-        """Per-site marginal distributions (constrained space)."""
+        """Per-site marginal distributions of the global sites (constrained space)."""
         return self.guide.posterior(self.q)
 
-    def sample(self, rng_key: Array, num_samples: int) -> dict[str, Array]:
-        """Joint posterior draws keyed by site name, constrained: ``{name: (num_samples, ...)}``."""
-        return self.guide.sample(rng_key, self.q, num_samples)
+    def sample(self, rng_key: Array, num_samples: int, client: int | str | None = None
+               ) -> dict[str, Array]:
+        """Joint posterior draws keyed by site name, constrained: ``{name: (num_samples, ...)}``.
+
+        ``client`` (an index or a name) adds that client's local sites, drawn from its private
+        guide given each draw of the global ones."""
+        local = None
+        if client is not None:
+            k = self._client_index(client)
+            local = None if self.local is None else jax.tree_util.tree_map(lambda x: x[k],
+                                                                           self.local)
+        return self.guide.sample(rng_key, self.q, num_samples, local)
+
+    def predictive(self, rng_key: Array, *args: Any, num_samples: int = 1000,
+                   client: int | str | None = None, **kwargs: Any) -> dict[str, Array]:
+        """Posterior predictive draws of the model at new inputs (numpyro's ``Predictive`` with
+        this posterior's draws; ``client`` uses that client's local sites). Pass the model's
+        arguments with ``y=None`` (or without the observations) to predict them."""
+        from numpyro.infer import Predictive
+
+        key_post, key_pred = jax.random.split(rng_key)
+        draws = self.sample(key_post, num_samples, client)
+        model = self.model if self.model is not None else self.guide.model
+        return Predictive(model, posterior_samples=draws)(key_pred, *args, **kwargs)
+
+    def _client_index(self, client: int | str) -> int:
+        if isinstance(client, str):
+            if client not in self.client_names:
+                raise KeyError(f"no client named {client!r}; clients are {self.client_names}")
+            return self.client_names.index(client)
+        K = self.factors.nat1.shape[0]
+        if not 0 <= int(client) < K:
+            raise IndexError(f"client {client} out of range for {K} clients")
+        return int(client)
 
     def mean_and_cov(self) -> tuple[Array, Array]:
         """Mean and covariance of q over the flat unconstrained vector."""
@@ -164,34 +201,60 @@ class PVI:
         self.shrink_warning = float(shrink_warning)
         self.line_search = bool(line_search)
         self._compiled: dict = {}  # round and ELBO functions, reused by later runs
+        self._pooled = False  # GlobalVI: one client, the prior correction in its likelihood
 
     # -- set-up --------------------------------------------------------------------------------
 
-    def _solver(self, clients: Clients) -> pvi.LocalSolver:
+    def _solver(self, clients: Clients, model: Callable, model_kwargs: dict
+                ) -> tuple[pvi.LocalSolver, pvi.LocalSolver | None]:
+        """The clients' local solver and (for a prior that is not Gaussian) the server's."""
         data = tuple(a[0] for a in clients.stacked)
-        self.guide.setup(*clients.client(0))
+        self.guide.setup(*clients.client(0), **model_kwargs)
+        has_local = self.guide.local_layout is not None
+        if has_local:
+            _check_local_shapes(self.guide, clients, model_kwargs)
+        correction = self.guide.prior_correction
+        fold_prior = self._pooled and correction is not None
 
         def opt(value, default):
             return default if value is None else value
 
+        S, iters = opt(self.num_particles, 128), opt(self.local_steps, 100)
+        tol = opt(self.local_tol, 1e-10)
+        prior_solver = None
+        if correction is not None and not fold_prior:
+            prior_solver = PriorSolver(correction, S, iters, tol,
+                                       hessian=_hessian_for(self.guide.layout))
+        reason = None
+        if has_local:
+            reason = "the model has local latent sites"
+        elif fold_prior:
+            reason = "the prior is not Gaussian (GlobalVI folds it into the likelihood)"
         if self.conjugate == "polya-gamma":
-            polya_gamma.validate(self.model, self.guide, clients)
-            return polya_gamma.PolyaGammaSolver(self.model, self.guide,
-                                                opt(self.local_steps, 200),
-                                                opt(self.local_tol, 1e-10))
-        if self.conjugate is not False:
-            reason = conjugate.check(client(self.model, mask=clients.mask[0]), self.guide.layout,
-                                     *data)
-            if reason is None:
-                return pvi.ConjugateSolver(self.model, self.guide)
+            if reason:
+                raise ValueError(f"conjugate='polya-gamma' is not available: {reason}")
+            polya_gamma.validate(model, self.guide, clients)
+            return (polya_gamma.PolyaGammaSolver(model, self.guide, opt(self.local_steps, 200),
+                                                 opt(self.local_tol, 1e-10)), prior_solver)
+        if self.conjugate is not False and reason is None:
+            why = conjugate.check(client(model, mask=clients.mask[0]), self.guide.layout, *data)
+            if why is None:
+                return pvi.ConjugateSolver(model, self.guide), prior_solver
             if self.conjugate is True:
-                raise ValueError(f"conjugate=True but the model is not conjugate: {reason}")
+                raise ValueError(f"conjugate=True but the model is not conjugate: {why}")
+        elif self.conjugate is True:
+            raise ValueError(f"conjugate=True is not available: {reason}")
         if self.solver == "optax":
-            return pvi.VariationalSolver(self.model, self.guide, self.optimizer,
-                                         opt(self.local_steps, 200), opt(self.num_particles, 8),
-                                         opt(self.local_tol, 1e-4))
-        return pvi.NaturalGradientSolver(self.model, self.guide, opt(self.num_particles, 128),
-                                         opt(self.local_steps, 100), opt(self.local_tol, 1e-10))
+            if reason:
+                raise ValueError(f"solver='optax' is not available: {reason}; use the default "
+                                 "natural-gradient solver")
+            return (pvi.VariationalSolver(model, self.guide, self.optimizer,
+                                          opt(self.local_steps, 200), opt(self.num_particles, 8),
+                                          opt(self.local_tol, 1e-4)), prior_solver)
+        return (pvi.NaturalGradientSolver(model, self.guide, S, iters, tol,
+                                          extra=correction if fold_prior else None,
+                                          hessian=_hessian_for(self.guide.layout)
+                                          if fold_prior else "pointwise"), prior_solver)
 
     def init_factors(self, num_clients: int) -> g.Gaussian:
         """Flat factors ``t_k = 1`` for every client (q starts at the prior)."""
@@ -202,11 +265,14 @@ class PVI:
     # -- running -------------------------------------------------------------------------------
 
     def run(self, rng_key: Array, clients: Clients, num_rounds: int, progress_bar: bool = True,
-            factors: g.Gaussian | None = None, tol: float | None = None) -> PVIResult:
-        """Run up to ``num_rounds`` rounds of PVI; ``factors`` resumes from earlier client factors.
+            factors: g.Gaussian | None = None, tol: float | None = None, *,
+            resume: PVIResult | None = None, **model_kwargs: Any) -> PVIResult:
+        """Run up to ``num_rounds`` rounds of PVI; ``factors`` resumes from earlier client factors
+        (``resume`` from an earlier result: its factors, prior factor and local guides).
 
         ``tol`` stops early, after the first round in which q moved by ``KL(q_new || q_old) <=
-        tol`` (the ``kl_change`` history entry).
+        tol`` (the ``kl_change`` history entry). Other keyword arguments are the model's own
+        static keyword arguments (``n_groups=...``), passed to every call of the model.
         """
         if not isinstance(clients, Clients):
             raise TypeError("clients must be a fedppl.Clients (see fedppl.partition)")
@@ -214,16 +280,30 @@ class PVI:
             raise ValueError(f"num_rounds must be positive, got {num_rounds}")
         if tol is not None and not tol > 0:
             raise ValueError(f"tol must be positive, got {tol}")
-        solver = self._solver(clients)
+        model = partial(self.model, **model_kwargs) if model_kwargs else self.model
+        solver, prior_solver = self._solver(clients, model, model_kwargs)
         K = clients.num_clients
+        if resume is not None:
+            factors = resume.factors
         factors = self.init_factors(K) if factors is None else g.strong(factors)
-        state = pvi.init(self.guide.prior, factors)
+        t0 = None
+        if prior_solver is not None:
+            t0 = (resume.prior_factor if resume is not None and resume.prior_factor is not None
+                  else g.zeros_like(self.guide.prior))
+        state = pvi.init(self.guide.prior, factors, t0)
+        local = self.guide.init_local()
+        if local is not None:
+            local = (resume.local if resume is not None and resume.local is not None else
+                     jax.tree_util.tree_map(lambda x: jnp.broadcast_to(x, (K,) + x.shape), local))
+        cstates = pvi.ClientState(factors, local)
         data, masks = clients.stacked, clients.mask
-        if solver not in self._compiled:
-            self._compiled[solver] = (make_round(solver, self.damping, self.schedule,
-                                                 self._line_search_score(solver)),
-                                      self._elbo_fn(solver) if self.elbo_samples > 0 else None)
-        round_fn, elbo_fn = self._compiled[solver]
+        cache_key = (solver, prior_solver)
+        if cache_key not in self._compiled:
+            self._compiled[cache_key] = (
+                make_round(solver, self.damping, self.schedule, self._line_search_score(solver),
+                           prior_solver),
+                self._elbo_fn(solver, model, prior_solver) if self.elbo_samples > 0 else None)
+        round_fn, elbo_fn = self._compiled[cache_key]
         down = g.num_bytes(state.q)
         up = g.num_bytes(jax.tree_util.tree_map(lambda x: x[0], factors))
         hist: dict[str, list] = {k: [] for k in HISTORY}
@@ -235,7 +315,7 @@ class PVI:
             active = self._participants(k_pick, K)
             t0 = time.perf_counter()
             q_old = state.q
-            state, factors, msgs, steps = round_fn(state, factors, data, masks, k_round, active)
+            state, cstates, msgs, steps = round_fn(state, cstates, data, masks, k_round, active)
             jax.block_until_ready(state.q)
             hist["seconds"].append(time.perf_counter() - t0)
             active = np.asarray(active)
@@ -251,13 +331,15 @@ class PVI:
             hist["messages_down"].append(n)
             hist["bytes_up"].append(n * up)
             hist["bytes_down"].append(n * down)
-            elbo = float(elbo_fn(state.q, data, masks, k_elbo)) if elbo_fn else np.nan
+            elbo = (float(elbo_fn(state, cstates, data, masks, k_elbo)) if elbo_fn
+                    else np.nan)
             hist["elbo"].append(elbo)
             bar.set_postfix(elbo=f"{elbo:.4g}", kl_change=f"{change:.2g}")
             if tol is not None and change <= tol:
                 break
-        return PVIResult(self.guide, state.q, factors, {k: np.asarray(v) for k, v in hist.items()},
-                         log.rejected, clients.names, log.unconverged)
+        return PVIResult(self.guide, state.q, cstates.factor,
+                         {k: np.asarray(v) for k, v in hist.items()}, log.rejected, clients.names,
+                         log.unconverged, cstates.local, state.prior_factor, model)
 
     def _participants(self, key: Array, num_clients: int) -> Array:
         """Booleans marking this round's clients (all, or a random ``clients_per_round``)."""
@@ -268,46 +350,93 @@ class PVI:
         return jnp.zeros(num_clients, bool).at[chosen].set(True)
 
     def _line_search_score(self, solver: pvi.LocalSolver):
-        """``(q, data, masks) -> (per-client E_q[log p(y_k | theta)], KL(q || prior))`` (with the
-        natural-gradient solver's fixed draws, or in closed form for the conjugate one) for the
-        server's line search, else None."""
+        """``(q, data, masks, clients) -> (per-client E_q[log p(y_k | theta)], KL(q || p~))``
+        (with the natural-gradient solver's fixed draws, or in closed form for the conjugate
+        one) for the server's line search, else None."""
         if not self.line_search or not hasattr(solver, "expected_log_lik"):
             return None
         prior = self.guide.prior
 
-        def score(q, data, masks):
-            ell = jax.vmap(solver.expected_log_lik, (None, 0, 0))(q, data, masks)
+        def score(q, data, masks, clients):
+            if clients.local is None:
+                ell = jax.vmap(solver.expected_log_lik, (None, 0, 0))(q, data, masks)
+            else:
+                ell = jax.vmap(solver.expected_log_lik, (None, 0, 0, 0))(q, data, masks,
+                                                                        clients.local)
             return ell, g.kl(q, prior)
 
         return score
 
-    def _elbo_fn(self, solver: pvi.LocalSolver):
-        """Jitted global ELBO ``sum_k E_q[log p(y_k | theta)] - KL(q || prior)``."""
-        guide, model, S = self.guide, self.model, self.elbo_samples
+    def _elbo_fn(self, solver: pvi.LocalSolver, model: Callable,
+                 prior_solver: pvi.LocalSolver | None):
+        """Jitted global ELBO ``sum_k E_q[log p(y_k, z_k | theta)] + H[q(z_k | theta)] +
+        E_q[prior correction] - KL(q || p~)`` with fresh draws (in closed form for a conjugate
+        model)."""
+        guide, S = self.guide, self.elbo_samples
 
         if isinstance(solver, pvi.ConjugateSolver):
 
-            def per_client(q, data_k, mask_k, key):
+            def per_client(q, data_k, mask_k, local_k, key):
                 lik = conjugate.likelihood_terms(client(model, mask=mask_k), guide.layout, *data_k)
                 mean, cov = g.to_moments(g.to_full(q))
                 return conjugate.expected_log_lik(lik, mean, cov)
 
         else:
 
-            def per_client(q, data_k, mask_k, key):
-                theta = g.sample(key, q, S)
-                values = guide.layout.constrain(theta)
-                ll = jax.vmap(lambda v: pvi.observed_log_lik(client(model, mask=mask_k), v,
-                                                             *data_k))(values)
-                return jnp.mean(ll)
+            def per_client(q, data_k, mask_k, local_k, key):
+                log_lik = natural_gradient.log_lik_fn(model, guide, data_k, mask_k)
+                joint = q if local_k is None else g.join(q, local_k, guide.client_diag)
+                phi = g.sample(key, joint, S)
+                ll = jnp.mean(jax.vmap(log_lik)(phi, jnp.arange(S)))
+                return ll if local_k is None else ll + g.conditional_entropy(local_k)
 
         @jax.jit
-        def elbo(q, data, masks, key):
+        def elbo(state, clients, data, masks, key):
+            q = state.q
             keys = jax.random.split(key, masks.shape[0])
-            ell = jax.vmap(per_client, in_axes=(None, 0, 0, 0))(q, data, masks, keys)
-            return jnp.sum(ell) - g.kl(q, guide.prior)
+            ell = jax.vmap(per_client, in_axes=(None, 0, 0, 0, 0))(q, data, masks, clients.local,
+                                                                   keys)
+            total = jnp.sum(ell) - g.kl(q, guide.prior)
+            if prior_solver is not None:
+                theta = g.sample(jax.random.fold_in(key, 1), q, S)
+                total = total + jnp.mean(jax.vmap(prior_solver.correction)(theta))
+            return total
 
         return elbo
+
+
+def _check_local_shapes(guide: PVIGuide, clients: Clients, model_kwargs: dict) -> None:
+    """Every client's model must give each local site the shape of the padded prototype."""
+    from numpyro import handlers
+
+    want = {s.name: s.shape for s in guide.local_layout.sites}
+    for k in range(clients.num_clients):
+        tr = handlers.trace(handlers.seed(guide.model, 0)).get_trace(*clients.client(k),
+                                                                     **model_kwargs)
+        for name, shape in want.items():
+            if name not in tr:
+                raise ValueError(f"{clients.names[k]}: the model has no local site '{name}' with "
+                                 "this client's data")
+            got = tuple(jnp.shape(tr[name]["value"]))
+            if got != shape:
+                raise ValueError(
+                    f"local site '{name}' has shape {got} for {clients.names[k]} but {shape} for "
+                    f"{clients.names[0]}; every client's private guide must have one shape. Give "
+                    "the model the number of groups as a static keyword argument (the largest "
+                    "over clients; groups without data keep their prior)"
+                )
+
+
+def _hessian_for(layout) -> str:
+    """Gradient-based (Stein) curvature for priors with a kink (Laplace), pointwise otherwise."""
+    kinked = (dist.Laplace, dist.AsymmetricLaplace)
+    for s in layout.sites:
+        fn = s.prior
+        while isinstance(fn, (dist.Independent, dist.ExpandedDistribution)):
+            fn = fn.base_dist
+        if s.name in layout.corrected and isinstance(fn, kinked):
+            return "stein"
+    return "pointwise"
 
 
 HISTORY = ("free_energy", "elbo", "kl_change", "converged", "local_iterations", "messages_up",
@@ -413,7 +542,10 @@ class GlobalVI:
         self._pvi = PVI(model, guide, "sequential", 1.0, solver=solver, optimizer=optimizer,
                         local_steps=num_steps, num_particles=num_particles, local_tol=tol,
                         conjugate=conjugate, elbo_samples=elbo_samples)
+        self._pvi._pooled = True
 
-    def run(self, rng_key: Array, data: Clients | tuple, progress_bar: bool = False) -> PVIResult:
+    def run(self, rng_key: Array, data: Clients | tuple, progress_bar: bool = False,
+            **model_kwargs: Any) -> PVIResult:
+        """Fit the pooled data (``model_kwargs`` are the model's static keyword arguments)."""
         pooled = data.pooled() if isinstance(data, Clients) else Clients.from_list([data])
-        return self._pvi.run(rng_key, pooled, 1, progress_bar=progress_bar)
+        return self._pvi.run(rng_key, pooled, 1, progress_bar=progress_bar, **model_kwargs)

@@ -52,21 +52,23 @@ from fedppl.families import gaussian as g
 from fedppl.guides.pvi_guide import PVIGuide
 from fedppl.handlers.client import client
 
-__all__ = ["LocalResult", "NaturalGradientSolver", "base_draws", "expected_log_lik",
-           "log_lik_fn"]
+__all__ = ["LocalResult", "NaturalGradientSolver", "PriorSolver", "base_draws",
+           "expected_log_lik", "log_lik_fn"]
 
 STEP_HALVINGS = 11
 MIN_STEP = 2.0**-20  # a solve whose step size fell below this stops, reported as not converged
 
 
 class LocalResult(NamedTuple):
-    """What a local solver returns: the new ``q_k``, its local free energy, whether the solve met
-    its tolerance, and how many iterations (or steps, or sweeps) it took."""
+    """What a local solver returns: the new ``q_k`` (over the global sites), its local free
+    energy, whether the solve met its tolerance, how many iterations (or steps, or sweeps) it
+    took, and the client's new private guide over its local sites (None without them)."""
 
     q: g.Gaussian
     free_energy: Array
     converged: Array
     iterations: Array
+    local: g.Conditional | None = None
 
 
 def base_draws(num_draws: int, dim: int, dtype, seed: int = 0) -> Array:
@@ -87,31 +89,51 @@ def base_draws(num_draws: int, dim: int, dtype, seed: int = 0) -> Array:
 
 
 def log_lik_fn(model: Callable, guide: PVIGuide, data: tuple, mask: Array
-               ) -> Callable[[Array], Array]:
-    """``theta -> log p(y_k | theta)``: the client's masked observed log density at the flat
-    unconstrained global vector ``theta``."""
+               ) -> Callable[[Array, Array], Array]:
+    """``(phi, seed) -> log p(y_k, z_k | theta)``: the client's masked observed log density at the
+    flat unconstrained vector ``phi = (theta, z_k)`` of its global and (if the guide has any)
+    local sites, with the local sites' prior densities and Jacobians. ``seed`` seeds the model's
+    own randomness (a subsampling data plate draws its minibatch from it)."""
     from fedppl.algorithms.pvi import observed_log_lik
 
     local = client(model, mask=mask)
-    return lambda theta: observed_log_lik(local, guide.layout.constrain(theta), *data)
+    layout, loc = guide.layout, guide.local_layout
+    D = layout.dim
+
+    def log_lik(phi: Array, seed: Array = 0) -> Array:
+        values = layout.constrain(phi[:D])
+        if loc is None:
+            return observed_log_lik(local, values, *data, seed=seed)
+        z = phi[D:]
+        values.update(loc.constrain(z))
+        return (observed_log_lik(local, values, *data, seed=seed, local_sites=loc.names)
+                + loc.log_abs_det_jacobian(z))
+
+    return log_lik
 
 
-def expected_log_lik(log_lik: Callable[[Array], Array], q: g.Gaussian, eps: Array) -> Array:
-    """``E_q[log p(y | theta)]`` by the reparametrised draws ``theta = m + L eps``."""
-    return jnp.mean(jax.vmap(log_lik)(_draws(q, eps)[1]))
+def expected_log_lik(log_lik: Callable[[Array, Array], Array], q: g.Gaussian, eps: Array
+                     ) -> Array:
+    """``E_q[log p(y | theta)]`` by the reparametrised draws ``theta = m + L eps``; draw ``s``
+    seeds the model with ``s`` (a fixed minibatch per draw for subsampling models)."""
+    seeds = jnp.arange(eps.shape[0])
+    return jnp.mean(jax.vmap(log_lik)(_draws(q, eps)[1], seeds))
 
 
 class NaturalGradientSolver(NamedTuple):
     """Client ``k``'s local free energy solved by natural-gradient fixed-point iteration.
 
     :param model: the NumPyro model.
-    :param guide: the :class:`PVIGuide` (set up); its family decides full or diagonal updates.
+    :param guide: the :class:`PVIGuide` (set up); its family decides full or diagonal updates,
+        its local sites (if any) extend ``q`` to the client's joint over ``(theta, z_k)``.
     :param num_draws: ``S``, the fixed base draws (even; antithetic pairs).
     :param max_iters: cap on iterations per local step.
     :param tol: converged when the residual ``KL(q_new || q_old) / step^2`` (module doc) is at
         most ``tol``.
     :param seed: seed of the base draws (the same for every client and round).
     :param step_size: the first iteration's ``beta``.
+    :param extra: an optional term added to the client's log-likelihood (``GlobalVI`` adds the
+        prior correction of :func:`fedppl.sites.prior_correction`).
     """
 
     model: Callable
@@ -121,31 +143,96 @@ class NaturalGradientSolver(NamedTuple):
     tol: float = 1e-10
     seed: int = 0
     step_size: float = 1.0
+    extra: Callable[[Array], Array] | None = None
+    hessian: str = "pointwise"
+
+    def log_lik(self, data: tuple, mask: Array) -> Callable[[Array, Array], Array]:
+        log_lik = log_lik_fn(self.model, self.guide, data, mask)
+        if self.extra is None:
+            return log_lik
+        D = self.guide.layout.dim
+        return lambda phi, seed=0: log_lik(phi, seed) + self.extra(phi[:D])
 
     def __call__(self, q_cavity: g.Gaussian, q: g.Gaussian, data: tuple, mask: Array,
-                 rng_key: Array) -> LocalResult:
+                 rng_key: Array, local: g.Conditional | None = None) -> LocalResult:
+        """Solve the local problem from ``q``; with local sites, over the client's joint
+        ``q(theta) local(z | theta)`` against the cavity (flat in ``z``), returning the
+        marginal over ``theta`` (moment-projected for a mean-field guide) and the new
+        conditional."""
         del rng_key  # deterministic: the base draws are fixed
-        log_lik = log_lik_fn(self.model, self.guide, data, mask)
+        log_lik = self.log_lik(data, mask)
+        if local is None:
+            eps = base_draws(self.num_draws, q.dim, q.nat1.dtype, self.seed)
+            return solve(log_lik, q_cavity, q, eps, self.max_iters, self.tol, self.step_size,
+                         hessian=self.hessian)
+        D, d, diag = q.dim, local.nat1.shape[-1], self.guide.client_diag
+        cavity = g.embed(q_cavity if diag else g.to_full(q_cavity), d)
+        eps = base_draws(self.num_draws, D + d, q.nat1.dtype, self.seed)
+        out = solve(log_lik, cavity, g.join(q, local, diag), eps, self.max_iters, self.tol,
+                    self.step_size, num_global=D, structure=self.guide.structure(),
+                    hessian=self.hessian)
+        marginal, conditional = g.split(out.q, D)
+        return out._replace(q=g.project_moments(marginal, self.guide.diag), local=conditional)
+
+    def expected_log_lik(self, q: g.Gaussian, data: tuple, mask: Array,
+                         local: g.Conditional | None = None) -> Array:
+        """The client's ``E_q[log p(y_k, z_k | theta)]`` with the solver's fixed draws (the
+        server's line search sums these into the global ELBO); with local sites, under
+        ``q(theta) local(z_k | theta)``, plus the entropy of ``local``."""
+        if local is None:
+            eps = base_draws(self.num_draws, q.dim, q.nat1.dtype, self.seed)
+            return expected_log_lik(self.log_lik(data, mask), q, eps)
+        joint = g.join(q, local, self.guide.client_diag)
+        eps = base_draws(self.num_draws, joint.dim, q.nat1.dtype, self.seed)
+        return (expected_log_lik(self.log_lik(data, mask), joint, eps)
+                + g.conditional_entropy(local))
+
+
+class PriorSolver(NamedTuple):
+    """The server's step on the prior factor ``t_0``: the local problem of a "client" whose
+    log-likelihood is the prior correction ``log p(theta) + log|J| - log p~(theta)`` (no data).
+
+    ``hessian="stein"`` estimates ``E[H]`` from gradients (``E[Sigma^-1 (theta - m) g']``, Stein's
+    lemma), which sees the curvature of a kink (a Laplace prior at zero) that pointwise Hessians,
+    zero almost everywhere, miss.
+    """
+
+    correction: Callable[[Array], Array]
+    num_draws: int = 128
+    max_iters: int = 100
+    tol: float = 1e-10
+    seed: int = 0
+    hessian: str = "pointwise"
+
+    def _log_lik(self, theta: Array, seed: Array = 0) -> Array:
+        return self.correction(theta)
+
+    def __call__(self, q_cavity, q, data, mask, rng_key) -> LocalResult:
         eps = base_draws(self.num_draws, q.dim, q.nat1.dtype, self.seed)
-        return solve(log_lik, q_cavity, q, eps, self.max_iters, self.tol, self.step_size)
+        return solve(self._log_lik, q_cavity, q, eps, self.max_iters, self.tol,
+                     hessian=self.hessian)
 
-    def expected_log_lik(self, q: g.Gaussian, data: tuple, mask: Array) -> Array:
-        """The client's ``E_q[log p(y_k | theta)]`` with the solver's fixed draws (the server's
-        line search sums these into the global ELBO)."""
+    def expected_log_lik(self, q, data=None, mask=None) -> Array:
         eps = base_draws(self.num_draws, q.dim, q.nat1.dtype, self.seed)
-        return expected_log_lik(log_lik_fn(self.model, self.guide, data, mask), q, eps)
+        return expected_log_lik(self._log_lik, q, eps)
 
 
-def solve(log_lik: Callable[[Array], Array], q_cavity: g.Gaussian, q_init: g.Gaussian, eps: Array,
-          max_iters: int, tol: float, step_size: float = 1.0) -> LocalResult:
-    """Iterate ``q <- damp(q, q_cav * t(q), beta)`` from ``q_init`` (see module doc)."""
+def solve(log_lik: Callable[[Array, Array], Array], q_cavity: g.Gaussian, q_init: g.Gaussian,
+          eps: Array, max_iters: int, tol: float, step_size: float = 1.0,
+          num_global: int | None = None, structure: Array | None = None,
+          hessian: str = "pointwise") -> LocalResult:
+    """Iterate ``q <- damp(q, q_cav * t(q), beta)`` from ``q_init`` (see module doc).
+
+    With local coordinates (``num_global < q.dim``) the cavity is flat in them and the free
+    energy is ``E_q[log p(y, z | theta)] - KL(q(theta) || q_cav) + H[q(z | theta)]``.
+    """
     dtype = q_init.nat1.dtype
     betas = jnp.asarray([2.0**-i for i in range(STEP_HALVINGS)], dtype)
     inf = jnp.asarray(jnp.inf, dtype)
 
     def body(state):
         q, beta, last, i, _ = state
-        aim = target(log_lik, q_cavity, q, eps)
+        aim = target(log_lik, q_cavity, q, eps, structure, hessian)
         steps = beta * betas
         candidates = jax.vmap(lambda b: g.damp(q, aim, b))(steps)
         pd = g.is_pd(candidates) & g.is_finite(candidates)
@@ -167,33 +254,59 @@ def solve(log_lik: Callable[[Array], Array], q_cavity: g.Gaussian, q_init: g.Gau
 
     init = (q_init, jnp.asarray(step_size, dtype), inf, jnp.asarray(0), jnp.asarray(True))
     q, _, residual, iters, _ = jax.lax.while_loop(cond, body, init)
-    free_energy = expected_log_lik(log_lik, q, eps) - g.kl(q, q_cavity)
+    ell = expected_log_lik(log_lik, q, eps)
+    if num_global is None or num_global == q.dim:
+        free_energy = ell - g.kl(q, q_cavity)
+    else:
+        marginal, conditional = g.split(q, num_global)
+        free_energy = (ell - g.kl(marginal, g.head(q_cavity, num_global))
+                       + g.conditional_entropy(conditional))
     return LocalResult(q, free_energy, residual <= tol, iters)
 
 
-def target(log_lik: Callable[[Array], Array], q_cavity: g.Gaussian, q: g.Gaussian, eps: Array
+def target(log_lik: Callable[[Array, Array], Array], q_cavity: g.Gaussian, q: g.Gaussian,
+           eps: Array, structure: Array | None = None, hessian: str = "pointwise"
            ) -> g.Gaussian:
     """Where one full natural-gradient step from ``q`` lands (module doc).
 
     Full rank: ``q_cav`` times the likelihood site ``(E[g] - E[H] m, -E[H])``. Mean-field: the
     precision is the diagonal of ``P = Lambda_cav - E[H]`` (the mean-field stationarity
     condition), and the mean takes a Newton step with the full ``P``; the diagonal-only step
-    would be a Jacobi iteration, which diverges when the sites are strongly correlated.
+    would be a Jacobi iteration, which diverges when the sites are strongly correlated. A
+    ``structure`` (a boolean mask of the precision entries q may have, e.g. a client's global and
+    local blocks kept independent) works the same way: precision ``structure * P``, Newton mean.
     """
     mean, theta = _draws(q, eps)
-    grads, hess = jax.vmap(lambda t: (jax.grad(log_lik)(t), jax.hessian(log_lik)(t)))(theta)
-    eg, eh = jnp.mean(grads, axis=0), jnp.mean(hess, axis=0)
+    seeds = jnp.arange(eps.shape[0])
+    if hessian == "stein":
+        grads = jax.vmap(jax.grad(log_lik))(theta, seeds)
+        eg = jnp.mean(grads, axis=0)
+        cross = eps.T @ grads / eps.shape[0]  # E[eps g'] = L' E[H]
+        _, sc = g.mean_and_scale_tril(q)
+        if isinstance(q, g.DiagGaussian):
+            eh = cross / sc[:, None]
+        else:
+            eh = jax.scipy.linalg.solve_triangular(sc.T, cross, lower=False)
+    else:
+        grads, hess = jax.vmap(lambda t, s: (jax.grad(log_lik)(t, s),
+                                             jax.hessian(log_lik)(t, s)))(theta, seeds)
+        eg, eh = jnp.mean(grads, axis=0), jnp.mean(hess, axis=0)
     eh = 0.5 * (eh + eh.T)
-    if isinstance(q, g.FullGaussian):
+    if isinstance(q, g.FullGaussian) and structure is None:
         return g.product(q_cavity, g.FullGaussian(eg - eh @ mean, -eh))
-    cav_mean, _ = g.to_moments(q_cavity)
-    prec = jnp.diag(q_cavity.prec) - eh
-    resid = eg - q_cavity.prec * (mean - cav_mean)
+    cav_prec = g.to_full(q_cavity).prec
+    prec = cav_prec - eh
+    resid = eg - (cav_prec @ mean - q_cavity.nat1)
     chol = jnp.linalg.cholesky(prec)
     newton = jax.scipy.linalg.cho_solve((chol, True), resid)
-    diag = jnp.diagonal(prec)
-    step = jnp.where(jnp.all(jnp.isfinite(newton)), newton, resid / diag)
-    return g.DiagGaussian(diag * (mean + step), diag)
+    kept = jnp.diag(jnp.diagonal(prec)) if structure is None else jnp.where(structure, prec, 0.0)
+    step = jnp.where(jnp.all(jnp.isfinite(newton)), newton,
+                     resid / jnp.diagonal(prec))
+    new_mean = mean + step
+    if isinstance(q, g.DiagGaussian):
+        diag = jnp.diagonal(prec)
+        return g.DiagGaussian(diag * new_mean, diag)
+    return g.FullGaussian(kept @ new_mean, kept)
 
 
 def _draws(q: g.Gaussian, eps: Array) -> tuple[Array, Array]:

@@ -41,7 +41,7 @@ from fedppl.guides.pvi_guide import PVIGuide
 from fedppl.handlers.client import client
 
 __all__ = [
-    "ServerState", "ClientMessage", "LocalSolver", "LocalResult", "NaturalGradientSolver",
+    "ServerState", "ClientState", "ClientMessage", "prior_update", "LocalSolver", "LocalResult", "NaturalGradientSolver",
     "VariationalSolver", "ConjugateSolver",
     "init", "client_update", "server_update", "acknowledge", "observed_log_lik",
 ]
@@ -50,8 +50,20 @@ STEP_SIZES = tuple(2.0**-i for i in range(11))
 
 
 class ServerState(NamedTuple):
+    """The server's ``q = p~ t_0 prod_k t_k``, the round, and the prior factor ``t_0`` (None
+    when the prior is Gaussian in the unconstrained space, so ``p~`` is the prior itself)."""
+
     q: g.Gaussian
     round: Array
+    prior_factor: g.Gaussian | None = None
+
+
+class ClientState(NamedTuple):
+    """What client ``k`` keeps between rounds: its factor ``t_k`` and, for a model with local
+    sites, its private guide over them (never sent)."""
+
+    factor: g.Gaussian
+    local: g.Conditional | None = None
 
 
 class ClientMessage(NamedTuple):
@@ -148,21 +160,36 @@ class ConjugateSolver(NamedTuple):
 # -- the trio ------------------------------------------------------------------------------------
 
 
-def init(prior: g.Gaussian, factors: g.Gaussian) -> ServerState:
-    """Server state for ``q = prior * prod_k factors[k]`` (factors stacked on axis 0)."""
+def init(prior: g.Gaussian, factors: g.Gaussian, prior_factor: g.Gaussian | None = None
+         ) -> ServerState:
+    """Server state for ``q = prior * prior_factor * prod_k factors[k]`` (factors stacked on
+    axis 0)."""
     total = jax.tree_util.tree_map(lambda x: jnp.sum(x, axis=0), factors)
-    return ServerState(g.product(prior, total), jnp.asarray(0))
+    q = g.product(prior, total) if prior_factor is None else g.product(prior, prior_factor, total)
+    return ServerState(q, jnp.asarray(0), prior_factor)
 
 
-def client_update(q: g.Gaussian, factor: g.Gaussian, data: tuple, mask: Array, rng_key: Array,
-                  solver: LocalSolver, damping: float | Array) -> tuple[ClientMessage, g.Gaussian]:
-    """One PVI step on one client; returns the message and the client's proposed new factor."""
-    q_cav, repaired = g.repair(g.quotient(q, factor))
-    out = solver(q_cav, q, data, mask, rng_key)
-    new_factor = g.damp(factor, g.quotient(out.q, q_cav), damping)
-    msg = ClientMessage(g.quotient(new_factor, factor), out.free_energy, repaired, out.converged,
-                        out.iterations)
-    return msg, new_factor
+def client_update(q: g.Gaussian, state: ClientState, data: tuple, mask: Array, rng_key: Array,
+                  solver: LocalSolver, damping: float | Array
+                  ) -> tuple[ClientMessage, ClientState]:
+    """One PVI step on one client; returns the message and the client's proposed new state."""
+    q_cav, repaired = g.repair(g.quotient(q, state.factor))
+    if state.local is None:
+        out = solver(q_cav, q, data, mask, rng_key)
+    else:
+        out = solver(q_cav, q, data, mask, rng_key, local=state.local)
+    new_factor = g.damp(state.factor, g.quotient(out.q, q_cav), damping)
+    msg = ClientMessage(g.quotient(new_factor, state.factor), out.free_energy, repaired,
+                        out.converged, out.iterations)
+    return msg, ClientState(new_factor, out.local)
+
+
+def prior_update(state: ServerState, solver: LocalSolver, damping: float | Array, rng_key: Array
+                 ) -> tuple[ClientMessage, ClientState]:
+    """The server's step on its prior factor ``t_0``: a client step whose likelihood is the prior
+    correction (``solver`` a :class:`~fedppl.algorithms.natural_gradient.PriorSolver`)."""
+    return client_update(state.q, ClientState(state.prior_factor), (), None, rng_key, solver,
+                         damping)
 
 
 def server_update(state: ServerState, messages: ClientMessage, received: Array | None = None,
@@ -205,31 +232,42 @@ def server_update(state: ServerState, messages: ClientMessage, received: Array |
         accept = accept & (values >= floor)
     step = jnp.where(jnp.any(accept), sizes[jnp.argmax(accept)], 0.0)
     q = g.product(state.q, g.scale(total, step))
-    return ServerState(q, state.round + 1), jnp.where(ok, step, 0.0)
+    return state._replace(q=q, round=state.round + 1), jnp.where(ok, step, 0.0)
 
 
-def acknowledge(factors: g.Gaussian, messages: ClientMessage, steps: Array) -> g.Gaussian:
-    """Clients apply their delta with the step the server accepted (stacked on axis 0)."""
+def acknowledge(states: ClientState, messages: ClientMessage, steps: Array,
+                proposed: ClientState | None = None) -> ClientState:
+    """Clients apply their delta with the step the server accepted (stacked on axis 0); a client
+    whose update was applied (step > 0) keeps its ``proposed`` private guide, the others their
+    old one."""
 
     def apply(t, d):
         s = steps.reshape(steps.shape + (1,) * (d.ndim - 1))
         return t + jnp.where(s > 0, s * d, 0.0)
 
-    return jax.tree_util.tree_map(apply, factors, messages.delta)
+    factor = jax.tree_util.tree_map(apply, states.factor, messages.delta)
+    local = states.local
+    if local is not None and proposed is not None:
+        local = jax.tree_util.tree_map(
+            lambda new, old: jnp.where(steps.reshape(steps.shape + (1,) * (new.ndim - 1)) > 0,
+                                       new, old), proposed.local, local)
+    return ClientState(factor, local)
 
 
 # -- evaluation ----------------------------------------------------------------------------------
 
 
-def observed_log_lik(model: Callable, values: dict[str, Array], *args: Any, **kwargs: Any
-                     ) -> Array:
-    """Sum of the (masked, scaled) log densities of the observed sites at the given values."""
-    tr = handlers.trace(handlers.substitute(handlers.seed(model, 0), data=values)).get_trace(
+def observed_log_lik(model: Callable, values: dict[str, Array], *args: Any, seed: Any = 0,
+                     local_sites: tuple[str, ...] = (), **kwargs: Any) -> Array:
+    """Sum of the (masked, scaled) log densities of the observed sites at the given values, and
+    of the prior densities of ``local_sites`` (a client's own latent sites). ``seed`` seeds the
+    model's randomness (a subsampling plate's minibatch)."""
+    tr = handlers.trace(handlers.substitute(handlers.seed(model, seed), data=values)).get_trace(
         *args, **kwargs
     )
     total = 0.0
-    for site in tr.values():
-        if site["type"] == "sample" and site["is_observed"]:
+    for name, site in tr.items():
+        if site["type"] == "sample" and (site["is_observed"] or name in local_sites):
             lp = jnp.sum(site["fn"].log_prob(site["value"]))
             total = total + (lp if site["scale"] is None else site["scale"] * lp)
     return total

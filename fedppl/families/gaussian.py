@@ -56,6 +56,13 @@ __all__ = [
     "project_diag",
     "to_full",
     "num_bytes",
+    "Conditional",
+    "embed",
+    "head",
+    "join",
+    "split",
+    "project_moments",
+    "conditional_entropy",
 ]
 
 
@@ -290,6 +297,95 @@ def num_bytes(g: Gaussian) -> int:
         lead = g.nat1.size // d
         return int(lead * per * g.nat1.dtype.itemsize)
     return int(g.nat1.nbytes + g.prec.nbytes)
+
+
+# -- a client's joint over global and local coordinates ------------------------------------------
+#
+# A client with local latent variables z (random effects) keeps a Gaussian over (theta, z). Its
+# private part is the conditional q(z | theta); the global part is the marginal q(theta), whose
+# quotient by the cavity is the factor that client sends.
+
+
+class Conditional(NamedTuple):
+    """``q(z | theta) ~ exp(-z'Cz/2 - z'B theta + h'z)``: the rows of a joint precision that belong
+    to the local coordinates (``prec`` = C, ``cross`` = B, ``nat1`` = h). The conditional mean is
+    ``C^-1 (h - B theta)`` and its covariance ``C^-1``; ``cross = 0`` makes z independent of
+    theta."""
+
+    nat1: Array  # (..., d)
+    prec: Array  # (..., d, d)
+    cross: Array  # (..., d, D)
+
+
+def embed(g: Gaussian, d: int) -> Gaussian:
+    """``g`` over ``D`` coordinates as a factor over ``D + d``, flat in the last ``d`` (zero
+    natural parameters there): the cavity of a client with ``d`` local coordinates."""
+    pad = [(0, 0)] * (g.nat1.ndim - 1) + [(0, d)]
+    if isinstance(g, DiagGaussian):
+        return DiagGaussian(jnp.pad(g.nat1, pad), jnp.pad(g.prec, pad))
+    return FullGaussian(jnp.pad(g.nat1, pad), jnp.pad(g.prec, pad[:-1] + [(0, d), (0, d)]))
+
+
+def head(g: Gaussian, D: int) -> Gaussian:
+    """The natural parameters' block over the first ``D`` coordinates: the factor a client's
+    cavity was before :func:`embed` (not the marginal, unless the rest is independent)."""
+    if isinstance(g, DiagGaussian):
+        return DiagGaussian(g.nat1[..., :D], g.prec[..., :D])
+    return FullGaussian(g.nat1[..., :D], g.prec[..., :D, :D])
+
+
+def join(g: Gaussian, c: Conditional, diag: bool) -> Gaussian:
+    """The joint ``q(theta) q(z | theta)`` over ``(theta, z)`` (a :class:`DiagGaussian` when
+    ``diag``, which needs a diagonal ``g`` and an independent, diagonal ``c``)."""
+    if diag:
+        return DiagGaussian(jnp.concatenate([g.nat1, c.nat1], -1),
+                            jnp.concatenate([g.prec, jnp.diagonal(c.prec, axis1=-2, axis2=-1)],
+                                            -1))
+    g = to_full(g)
+    chol = jnp.linalg.cholesky(_sym(c.prec))
+    cinv_b = jsl.cho_solve((chol, True), c.cross)
+    cinv_h = jsl.cho_solve((chol, True), c.nat1[..., None])[..., 0]
+    bt = jnp.swapaxes(c.cross, -1, -2)
+    top = jnp.concatenate([g.prec + bt @ cinv_b, bt], -1)
+    bottom = jnp.concatenate([c.cross, c.prec], -1)
+    nat1 = jnp.concatenate([g.nat1 + _matvec(bt, cinv_h), c.nat1], -1)
+    return FullGaussian(nat1, _sym(jnp.concatenate([top, bottom], -2)))
+
+
+def split(g: Gaussian, num_global: int) -> tuple[Gaussian, Conditional]:
+    """The marginal over the first ``num_global`` coordinates and the conditional of the rest
+    (the inverse of :func:`join`). The marginal's natural parameters are the Schur complements
+    ``Lambda_tt - B' C^-1 B`` and ``eta_t - B' C^-1 h``."""
+    D = num_global
+    if isinstance(g, DiagGaussian):
+        d = g.dim - D
+        prec_z = g.prec[..., D:]
+        cond = Conditional(g.nat1[..., D:], prec_z[..., :, None] * jnp.eye(d, dtype=prec_z.dtype),
+                           jnp.zeros(g.prec.shape[:-1] + (d, D), g.prec.dtype))
+        return DiagGaussian(g.nat1[..., :D], g.prec[..., :D]), cond
+    cond = Conditional(g.nat1[..., D:], g.prec[..., D:, D:], g.prec[..., D:, :D])
+    chol = jnp.linalg.cholesky(_sym(cond.prec))
+    cinv_b = jsl.cho_solve((chol, True), cond.cross)
+    cinv_h = jsl.cho_solve((chol, True), cond.nat1[..., None])[..., 0]
+    bt = jnp.swapaxes(cond.cross, -1, -2)
+    marginal = FullGaussian(g.nat1[..., :D] - _matvec(bt, cinv_h),
+                            _sym(g.prec[..., :D, :D] - bt @ cinv_b))
+    return marginal, cond
+
+
+def project_moments(g: Gaussian, diag: bool) -> Gaussian:
+    """``g`` itself, or (``diag``) the diagonal Gaussian with its mean and marginal variances
+    (the KL(g || q)-optimal diagonal q: what a mean-field guide keeps of a client's joint)."""
+    if not diag or isinstance(g, DiagGaussian):
+        return g
+    mean, cov = to_moments(g)
+    return DiagGaussian.from_moments(mean, jnp.diagonal(cov, axis1=-2, axis2=-1))
+
+
+def conditional_entropy(c: Conditional) -> Array:
+    """Entropy of ``q(z | theta)`` (the same for every theta): ``(d log(2 pi e) - log|C|) / 2``."""
+    d = c.nat1.shape[-1]
+    return 0.5 * (d * jnp.log(2 * jnp.pi * jnp.e) - _logdet_pd(c.prec))
 
 
 # -- helpers ---------------------------------------------------------------------------------------

@@ -3,7 +3,10 @@
 Clients hold different numbers of points; fedppl pads them to a common length so that all clients
 run through one compiled function. This handler masks the padded rows out of every observed site
 inside the data plate, and optionally rescales the likelihood when the call sees a minibatch of
-the client's ``num_data`` points (scale ``num_data / batch``).
+the client's ``num_data`` points (scale ``num_data / batch``). A data plate that subsamples
+(``numpyro.plate("data", N, subsample_size=b)``) gets the mask rows of its subsample; numpyro
+scales the batch by ``N / b``. A ``numpyro.factor`` in no plate is a term of the prior, which the
+server counts once (:func:`fedppl.sites.prior_correction`), so clients drop it.
 
 Example::
 
@@ -17,6 +20,8 @@ from __future__ import annotations
 import jax.numpy as jnp
 from jax import Array
 from numpyro.primitives import Messenger
+
+from fedppl.sites import is_prior_factor
 
 __all__ = ["client"]
 
@@ -43,18 +48,34 @@ class client(Messenger):
         self.num_data = num_data
         super().__init__(fn)
 
+    # The data plate's subsample indices (numpyro.plate(..., subsample_size=b)) are seen in its
+    # "plate" message; they index the mask. Per-call state lives between __enter__ and __exit__.
+    def __enter__(self):
+        self._subsamples = {}
+        return super().__enter__()
+
+    def __exit__(self, *args, **kwargs):
+        self._subsamples = {}
+        return super().__exit__(*args, **kwargs)
+
+    def postprocess_message(self, msg):
+        if msg["type"] == "plate" and self._is_data_plate(msg["name"], msg["args"][0]):
+            self._subsamples[msg["name"]] = msg["value"]
+
+    def _is_data_plate(self, name: str, size: int) -> bool:
+        return name == self.plate if self.plate is not None else size == jnp.shape(self.mask)[0]
+
     def process_message(self, msg):
         if msg["type"] != "sample" or not msg["is_observed"]:
             return
+        if is_prior_factor(msg):  # a factor in no plate is the prior's, counted by the server
+            msg["fn"] = msg["fn"].mask(False)
+            return
         n = jnp.shape(self.mask)[0]
-        frame = next(
-            (
-                f
-                for f in msg["cond_indep_stack"]
-                if (f.name == self.plate if self.plate is not None else f.size == n)
-            ),
-            None,
-        )
+        subsamples = getattr(self, "_subsamples", {})
+        frame = next((f for f in msg["cond_indep_stack"]
+                      if f.name in subsamples or (f.name == self.plate if self.plate is not None
+                                                  else f.size == n)), None)
         if frame is None:
             which = f"named '{self.plate}'" if self.plate else f"of size {n}"
             raise ValueError(
@@ -62,11 +83,14 @@ class client(Messenger):
                 "observations inside `with numpyro.plate('data', X.shape[0]):` (or name the "
                 "data plate with plate=...)"
             )
-        if frame.size != n:
+        mask = self.mask
+        if frame.name in subsamples:
+            mask = mask[subsamples[frame.name]]
+        elif frame.size != n:
             raise ValueError(
                 f"the data plate '{frame.name}' has size {frame.size} but the mask has {n} rows"
             )
-        m = jnp.reshape(self.mask, (n,) + (1,) * (-frame.dim - 1))
+        m = jnp.reshape(mask, (jnp.shape(mask)[0],) + (1,) * (-frame.dim - 1))
         msg["fn"] = msg["fn"].mask(m)
         if self.num_data is not None:
             factor = self.num_data / jnp.maximum(jnp.sum(self.mask), 1)

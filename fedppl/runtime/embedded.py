@@ -21,6 +21,7 @@ from functools import lru_cache, partial
 from typing import Callable
 
 import jax
+import jax.numpy as jnp
 import jaxlib
 import numpy as np
 from jax import Array
@@ -33,81 +34,123 @@ __all__ = ["make_round", "SCHEDULES"]
 SCHEDULES = ("sequential", "synchronous", "loop")
 
 RoundFn = Callable[
-    [pvi.ServerState, g.Gaussian, tuple, Array, Array],
-    tuple[pvi.ServerState, g.Gaussian, pvi.ClientMessage, Array],
+    [pvi.ServerState, pvi.ClientState, tuple, Array, Array, Array],
+    tuple[pvi.ServerState, pvi.ClientState, pvi.ClientMessage, Array],
 ]
 
 
 def make_round(solver: pvi.LocalSolver, damping: float, schedule: str,
-               score: Callable | None = None) -> RoundFn:
-    """A function ``(state, factors, data, masks, key, active) -> (state, factors, messages,
-    steps)``; ``active`` (K booleans) marks the clients taking part in the round.
+               score: Callable | None = None, prior_solver: pvi.LocalSolver | None = None
+               ) -> RoundFn:
+    """A function ``(state, clients, data, masks, key, active) -> (state, clients, messages,
+    steps)``; ``clients`` are the stacked :class:`~fedppl.algorithms.pvi.ClientState` and
+    ``active`` (K booleans) marks the clients taking part in the round.
 
-    ``score(q, data, masks)`` (the global ELBO), if given, makes the server's step of a
-    synchronous round a line search on it (:func:`fedppl.algorithms.pvi.server_update`); the
-    sequential schedule applies each client's update at once and does not use it.
+    ``score(q, data, masks, clients)`` (the clients' expected log-likelihoods and ``KL(q ||
+    p~)``), if given, makes the server's step of a synchronous round a line search on the global
+    ELBO (:func:`fedppl.algorithms.pvi.server_update`); the sequential schedule applies each
+    client's update at once and does not use it. ``prior_solver`` (for a prior that is not
+    Gaussian) makes the server refine its prior factor ``t_0`` in every round: first in a
+    sequential round, alongside the clients (as one more message) in a synchronous one.
     """
     if schedule not in SCHEDULES:
         raise ValueError(f"schedule must be one of {SCHEDULES}, got {schedule!r}")
     check_cpu_lapack()
     step = partial(pvi.client_update, solver=solver, damping=damping)
 
+    def elbo_for(data, masks, clients):
+        if score is None:
+            return None
+
+        def elbo(q):
+            ell, kl = score(q, data, masks, clients)
+            if prior_solver is not None:
+                ell = jnp.concatenate([ell, prior_solver.expected_log_lik(q)[None]])
+            return ell, kl
+
+        return elbo
+
+    def server(state, msgs, active, data, masks, proposed, key):
+        """Combine the clients' messages (and the prior factor's) into a new state."""
+        if prior_solver is None:
+            return pvi.server_update(state, msgs, active, elbo_for(data, masks, proposed))
+        pmsg, _ = pvi.prior_update(state, prior_solver, damping, key)
+        both = jax.tree_util.tree_map(lambda a, b: jnp.concatenate([a, b[None]]), msgs, pmsg)
+        state, steps = pvi.server_update(state, both, jnp.append(active, True),
+                                         elbo_for(data, masks, proposed))
+        return _ack_prior(state, pmsg, steps[-1]), steps[:-1]
+
     if schedule == "synchronous":
 
         @jax.jit
-        def round_fn(state, factors, data, masks, key, active):
+        def round_fn(state, clients, data, masks, key, active):
             keys = jax.random.split(key, masks.shape[0])
-            msgs, _ = jax.vmap(step, in_axes=(None, 0, 0, 0, 0))(state.q, factors, data, masks, keys)
-            elbo = None if score is None else partial(score, data=data, masks=masks)
-            state, steps = pvi.server_update(state, msgs, active, elbo)
-            return state, pvi.acknowledge(factors, msgs, steps), msgs, steps
+            msgs, proposed = jax.vmap(step, in_axes=(None, 0, 0, 0, 0))(state.q, clients, data,
+                                                                        masks, keys)
+            state, steps = server(state, msgs, active, data, masks, proposed,
+                                  jax.random.fold_in(key, masks.shape[0]))
+            return state, pvi.acknowledge(clients, msgs, steps, proposed), msgs, steps
 
         return round_fn
 
     if schedule == "sequential":
 
         @jax.jit
-        def round_fn(state, factors, data, masks, key, active):
+        def round_fn(state, clients, data, masks, key, active):
             keys = jax.random.split(key, masks.shape[0])
+            if prior_solver is not None:
+                pmsg, _ = pvi.prior_update(state, prior_solver, damping,
+                                           jax.random.fold_in(key, masks.shape[0]))
+                new, s = pvi.server_update(state, _one(pmsg), jnp.ones(1, bool))
+                state = _ack_prior(state._replace(q=new.q), pmsg, s[0])
 
             def one(state, inputs):
-                factor, data_k, mask_k, key_k, active_k = inputs
-                msg, _ = step(state.q, factor, data_k, mask_k, key_k)
-                batch = jax.tree_util.tree_map(lambda x: x[None], msg)
-                q_only = pvi.ServerState(state.q, state.round)
-                new_state, s = pvi.server_update(q_only, batch, active_k[None])
-                factor = pvi.acknowledge(
-                    jax.tree_util.tree_map(lambda x: x[None], factor), batch, s
-                )
-                factor = jax.tree_util.tree_map(lambda x: x[0], factor)
-                return pvi.ServerState(new_state.q, state.round), (factor, msg, s[0])
+                cstate, data_k, mask_k, key_k, active_k = inputs
+                msg, proposed = step(state.q, cstate, data_k, mask_k, key_k)
+                new_state, s = pvi.server_update(state, _one(msg), active_k[None])
+                cstate = pvi.acknowledge(_one(cstate), _one(msg), s, _one(proposed))
+                return state._replace(q=new_state.q), (_first(cstate), msg, s[0])
 
-            state, (factors, msgs, steps) = jax.lax.scan(
-                one, state, (factors, data, masks, keys, active))
-            return pvi.ServerState(state.q, state.round + 1), factors, msgs, steps
+            state, (clients, msgs, steps) = jax.lax.scan(
+                one, state, (clients, data, masks, keys, active))
+            return state._replace(round=state.round + 1), clients, msgs, steps
 
         return round_fn
 
     client_jit = jax.jit(step)
-    server_jit = jax.jit(lambda state, msgs, active, data, masks: pvi.server_update(
-        state, msgs, active, None if score is None else partial(score, data=data, masks=masks)))
+    server_jit = jax.jit(server)
     ack_jit = jax.jit(pvi.acknowledge)
 
-    def round_fn(state, factors, data, masks, key, active):
+    def round_fn(state, clients, data, masks, key, active):
         # each client holds its own arrays (host copies), as it would on its own machine
-        factors_h, data_h, masks_h = jax.device_get((factors, data, masks))
+        clients_h, data_h, masks_h = jax.device_get((clients, data, masks))
         replies = {}
         for k, key_k in enumerate(jax.random.split(key, masks.shape[0])):
             if active[k]:
-                inputs = _index((factors_h, data_h, masks_h), k)
-                replies[k] = jax.device_get(client_jit(state.q, *inputs, key_k)[0])
+                inputs = _index((clients_h, data_h, masks_h), k)
+                replies[k] = jax.device_get(client_jit(state.q, *inputs, key_k))
         blank = jax.tree_util.tree_map(np.zeros_like, next(iter(replies.values())))
-        msgs = [replies.get(k, blank) for k in range(masks.shape[0])]
-        msgs = jax.tree_util.tree_map(lambda *xs: np.stack(xs), *msgs)
-        state, steps = server_jit(state, msgs, active, data, masks)
-        return state, ack_jit(factors, msgs, steps), msgs, steps
+        out = [replies.get(k, blank) for k in range(masks.shape[0])]
+        msgs, proposed = jax.tree_util.tree_map(lambda *xs: np.stack(xs), *out)
+        state, steps = server_jit(state, msgs, active, data, masks, proposed,
+                                  jax.random.fold_in(key, masks.shape[0]))
+        return state, ack_jit(clients, msgs, steps, proposed), msgs, steps
 
     return round_fn
+
+
+def _ack_prior(state: pvi.ServerState, msg: pvi.ClientMessage, step: Array) -> pvi.ServerState:
+    """The server applies its own prior-factor delta with the step it accepted."""
+    t0 = pvi.acknowledge(_one(pvi.ClientState(state.prior_factor)), _one(msg), step[None])
+    return state._replace(prior_factor=_first(t0).factor)
+
+
+def _one(tree):
+    return jax.tree_util.tree_map(lambda x: x[None], tree)
+
+
+def _first(tree):
+    return jax.tree_util.tree_map(lambda x: x[0], tree)
 
 
 @lru_cache(maxsize=1)
