@@ -166,33 +166,6 @@ def test_unknown_global_site_is_named(linear_data):
         pvi.run(jax.random.key(0), clients, 1, progress_bar=False)
 
 
-def test_non_gaussian_prior_says_what_to_do(linear_data):
-    def model(X, y=None):
-        w = numpyro.sample("w", dist.Normal(0.0, 1.0).expand([X.shape[1]]).to_event(1))
-        s = numpyro.sample("s", dist.HalfCauchy(1.0))
-        with numpyro.plate("data", X.shape[0]):
-            numpyro.sample("y", dist.Normal(X @ w, s), obs=y)
-
-    X, y = linear_data
-    with pytest.raises(NotImplementedError, match="site 's' is HalfCauchy.*LogNormal"):
-        fedppl.PVI(model, PVIGuide(model)).run(
-            jax.random.key(0), fedppl.partition.homogeneous(X, y, 2), 1, progress_bar=False)
-
-
-def test_prior_depending_on_other_sites_is_refused_not_read_from_one_trace(linear_data):
-    def model(X, y=None):
-        mu = numpyro.sample("mu", dist.Normal(0.0, 5.0))
-        tau = numpyro.sample("tau", dist.LogNormal(0.0, 1.0))
-        alpha = numpyro.sample("alpha", dist.Normal(mu, tau))
-        with numpyro.plate("data", X.shape[0]):
-            numpyro.sample("y", dist.Normal(alpha + X[:, 0], 0.5), obs=y)
-
-    X, y = linear_data
-    with pytest.raises(NotImplementedError, match="site 'alpha' depends on other latent sites"):
-        fedppl.PVI(model, PVIGuide(model)).run(
-            jax.random.key(0), fedppl.partition.homogeneous(X, y, 2), 1, progress_bar=False)
-
-
 def test_non_finite_update_is_rejected_and_recorded(linear_data):
     X, y = linear_data
     parts = [(X[:30], y[:30]), (X[30:60] * 1e200, y[30:60]), (X[60:], y[60:])]

@@ -32,6 +32,7 @@ import jax.numpy as jnp
 import numpy as np
 import numpyro
 import numpyro.distributions as dist
+from numpyro.distributions.transforms import OrderedTransform
 
 __all__ = ["Entry", "GALLERY", "NUM_CLIENTS"]
 
@@ -128,11 +129,16 @@ def hierarchical_logistic(group, X, y=None, *, n_groups):
 
 
 def gaussian_mixture(y=None, *, num_data=None):
-    """Three components with well-separated location priors (no label switching)."""
+    """Three components with ordered locations (no label switching).
+
+    The locations are ``OrderedTransform`` of a Normal vector: the lowest location is
+    Normal(-3, 2) and the log gaps between neighbours are Normal(1, 0.5).
+    """
     n = y.shape[0] if y is not None else num_data
     weights = numpyro.sample("weights", dist.Dirichlet(jnp.ones(3)))
+    base = dist.Normal(jnp.array([-3.0, 1.0, 1.0]), jnp.array([2.0, 0.5, 0.5])).to_event(1)
+    locs = numpyro.sample("locs", dist.TransformedDistribution(base, OrderedTransform()))
     with numpyro.plate("components", 3):
-        locs = numpyro.sample("locs", dist.Normal(jnp.array([-4.0, 0.0, 4.0]), 1.5))
         scales = numpyro.sample("scales", dist.HalfNormal(2.0))
     with numpyro.plate("data", n):
         mixture = dist.MixtureSameFamily(dist.Categorical(probs=weights), dist.Normal(locs, scales))
@@ -169,8 +175,8 @@ def subsampled_logistic(X, y=None, *, batch=None):
     w = numpyro.sample("w", dist.Normal(0.0, 1.0).expand([X.shape[1]]).to_event(1))
     b = numpyro.sample("b", dist.Normal(0.0, 2.5))
     with numpyro.plate("data", X.shape[0], subsample_size=batch) as idx:
-        y_batch = y[idx] if y is not None else None
-        numpyro.sample("y", dist.Bernoulli(logits=X[idx] @ w + b), obs=y_batch)
+        y_batch = jnp.asarray(y)[idx] if y is not None else None
+        numpyro.sample("y", dist.Bernoulli(logits=jnp.asarray(X)[idx] @ w + b), obs=y_batch)
 
 
 def mvn_prior_logistic(X, y=None):
@@ -391,7 +397,7 @@ _ENTRIES = [
           "Random intercept and slope logistic model, one group per client; a, b (10 each) "
           "local, HalfCauchy group scales global."),
     Entry("gaussian_mixture", gaussian_mixture, _mixture_data, None, "fullrank",
-          "1-D mixture of 3 Gaussians, Dirichlet weights, separated location priors, "
+          "1-D mixture of 3 Gaussians, Dirichlet weights, ordered locations, "
           "marginalised with MixtureSameFamily; clients differ in proportions (8 parameters)."),
     Entry("mvn_lkj_regression", mvn_lkj_regression, _mvn_data, None, "fullrank",
           "3-output regression, MultivariateNormal noise with LKJCholesky correlation and "

@@ -57,6 +57,7 @@ __all__ = ["LocalResult", "NaturalGradientSolver", "PriorSolver", "base_draws",
 
 STEP_HALVINGS = 11
 MIN_STEP = 2.0**-20  # a solve whose step size fell below this stops, reported as not converged
+SLACK = 1e-2  # nats a step may lower the local objective (plus 1e-6 of its size) and be taken
 
 
 class LocalResult(NamedTuple):
@@ -230,15 +231,42 @@ def solve(log_lik: Callable[[Array, Array], Array], q_cavity: g.Gaussian, q_init
     betas = jnp.asarray([2.0**-i for i in range(STEP_HALVINGS)], dtype)
     inf = jnp.asarray(jnp.inf, dtype)
 
+    def objective(q):
+        ell = expected_log_lik(log_lik, q, eps)
+        if num_global is None or num_global == q.dim:
+            return ell - g.kl(q, q_cavity)
+        marginal, conditional = g.split(q, num_global)
+        return (ell - g.kl(marginal, g.head(q_cavity, num_global))
+                + g.conditional_entropy(conditional))
+
     def body(state):
-        q, beta, last, i, _ = state
+        q, beta, last, i, _, f_old = state
         aim = target(log_lik, q_cavity, q, eps, structure, hessian)
         steps = beta * betas
         candidates = jax.vmap(lambda b: g.damp(q, aim, b))(steps)
         pd = g.is_pd(candidates) & g.is_finite(candidates)
-        pick = jnp.argmax(pd)
+        # where no damped step is positive definite (the target is not: the likelihood's
+        # curvature is positive somewhere q looks, as in a funnel), take the step with the
+        # second-order correction that keeps it so (Lin, Schmidt and Khan 2020)
+        pd, candidates = jax.lax.cond(
+            jnp.any(pd), lambda: (pd, candidates),
+            lambda: _corrected_steps(q, aim, steps))
+        # backtrack to the first positive-definite step that does not lower the objective
+        # (beyond a slack for the gap between the fixed point and the objective's optimum)
+        floor = f_old - SLACK - SLACK * 1e-4 * jnp.abs(f_old)
+
+        def look(c):
+            j, _, _ = c
+            cj = jax.tree_util.tree_map(lambda x: x[j], candidates)
+            fj = jax.lax.cond(pd[j], objective, lambda _: -inf, cj)
+            found = fj >= floor
+            return jnp.where(found, j, j + 1), found, fj
+
+        pick, ok, f_new = jax.lax.while_loop(
+            lambda c: (c[0] < STEP_HALVINGS) & ~c[1], look,
+            (jnp.asarray(0), jnp.asarray(False), -inf))
+        pick = jnp.minimum(pick, STEP_HALVINGS - 1)
         q_new = jax.tree_util.tree_map(lambda c: c[pick], candidates)
-        ok = jnp.any(pd)
         q_new = jax.tree_util.tree_map(lambda n, o: jnp.where(ok, n, o), q_new, q)
         change = jnp.where(ok, g.kl(q_new, q), inf)
         # the full step's length, estimated from the damped one (KL grows as the step squared),
@@ -246,22 +274,39 @@ def solve(log_lik: Callable[[Array, Array], Array], q_cavity: g.Gaussian, q_init
         residual = change / steps[pick] ** 2
         beta = jnp.where((residual > last) & (i > 0), 0.5 * beta,
                          jnp.minimum(1.25 * beta, step_size))
-        return q_new, beta, residual, i + 1, ok & (beta > MIN_STEP)
+        return (q_new, beta, residual, i + 1, ok & (beta > MIN_STEP),
+                jnp.where(ok, f_new, f_old))
 
     def cond(state):
-        _, _, residual, i, ok = state
+        _, _, residual, i, ok, _ = state
         return (i < max_iters) & (residual > tol) & ok
 
-    init = (q_init, jnp.asarray(step_size, dtype), inf, jnp.asarray(0), jnp.asarray(True))
-    q, _, residual, iters, _ = jax.lax.while_loop(cond, body, init)
-    ell = expected_log_lik(log_lik, q, eps)
-    if num_global is None or num_global == q.dim:
-        free_energy = ell - g.kl(q, q_cavity)
-    else:
-        marginal, conditional = g.split(q, num_global)
-        free_energy = (ell - g.kl(marginal, g.head(q_cavity, num_global))
-                       + g.conditional_entropy(conditional))
+    init = (q_init, jnp.asarray(step_size, dtype), inf, jnp.asarray(0), jnp.asarray(True),
+            objective(q_init))
+    q, _, residual, iters, _, free_energy = jax.lax.while_loop(cond, body, init)
     return LocalResult(q, free_energy, residual <= tol, iters)
+
+
+def _corrected_steps(q: g.Gaussian, aim: g.Gaussian, steps: Array) -> tuple[Array, g.Gaussian]:
+    """Steps ``Lambda + b G + (b^2 / 2) G Sigma G`` (``G`` the precision's full step, ``Sigma``
+    q's covariance), positive definite for every ``b``, with the mean moved ``b Lambda'^-1 r``
+    along the natural gradient ``r = aim.nat1 - aim.prec m``; the fixed point is unchanged."""
+    mean, cov = g.to_moments(q)
+    G = aim.prec - q.prec
+    r = aim.nat1 - (aim.prec * mean if isinstance(q, g.DiagGaussian) else aim.prec @ mean)
+    if isinstance(q, g.DiagGaussian):
+        quad = G * cov * G
+    else:
+        quad = G @ cov @ G
+
+    def one(b):
+        prec = q.prec + b * G + 0.5 * b**2 * quad
+        if isinstance(q, g.DiagGaussian):
+            return g.DiagGaussian(prec * mean + b * r, prec)
+        return g.FullGaussian(prec @ mean + b * r, 0.5 * (prec + prec.T))
+
+    candidates = jax.vmap(one)(steps)
+    return g.is_pd(candidates) & g.is_finite(candidates), candidates
 
 
 def target(log_lik: Callable[[Array, Array], Array], q_cavity: g.Gaussian, q: g.Gaussian,

@@ -38,8 +38,9 @@ def test_step_is_halved_until_q_is_positive_definite():
     new, steps = pvi.server_update(s, messages([shrink]))
     assert float(steps[0]) == 0.5
     assert bool(g.is_pd(new.q))
-    factors = pvi.acknowledge(g.FullGaussian(jnp.zeros((1, 2)), jnp.zeros((1, 2, 2))),
-                              messages([shrink]), steps)
+    factors = pvi.acknowledge(pvi.ClientState(g.FullGaussian(jnp.zeros((1, 2)),
+                                                             jnp.zeros((1, 2, 2)))),
+                              messages([shrink]), steps).factor
     np.testing.assert_allclose(factors.prec[0], -0.75 * jnp.eye(2))
     # q = prior * prod t_k still holds on both sides
     np.testing.assert_allclose(new.q.prec, jnp.eye(2) + factors.prec[0])
