@@ -21,13 +21,23 @@ point of PVI with this step is exactly the fixed point of the same iteration on 
 KL to the cavity is never estimated: it enters in closed form through ``lambda_cav``.
 
 Each iteration takes the largest step in ``beta, beta/2, ..., beta/2^10`` whose precision is
-positive definite (a step towards a positive-definite target always is). Its progress is measured
-by the residual ``KL(q_new || q_old) / step^2``, the length of a full step (KL grows as the square
-of the step), so that a shrunken step cannot pass for convergence. ``beta`` is halved whenever
-the residual grew (the undamped iteration oscillates on hard problems, such as nearly separable
-classes or a likelihood that is not log-concave) and grows by a quarter, up to ``step_size``,
-whenever it shrank. The solve stops when the residual is at most ``tol`` (converged), after
-``max_iters`` iterations, or when ``beta`` falls below 2^-20 (both reported as not converged).
+positive definite and which does not lower the local objective ``E_q[log p] - KL(q || q_cav)``
+(with the same fixed draws) by more than a slack of 0.01 nats; the slack covers the small gap,
+of Monte Carlo size, between the fixed point and that objective's optimum. Where no damped step
+is positive definite (a likelihood with positive curvature where q looks, as in a funnel or a
+mixture) the step carries the second-order term of Lin, Schmidt and Khan (2020), ``Lambda + b G
++ (b^2/2) G Sigma G``, which is positive definite for every ``b`` and has the same fixed point.
+Progress is measured by the residual ``KL(q_new || q_old) / step^2``, the length of a full step
+(KL grows as the square of the step), so that a shrunken step cannot pass for convergence.
+``beta`` is halved whenever the residual grows by more than half in one iteration (the undamped
+iteration oscillates on hard problems, such as nearly separable classes) and grows by a quarter,
+up to ``step_size``, otherwise (a slow drift along a flat valley keeps its step). The solve stops
+when the residual is at most ``tol`` (converged), after ``max_iters`` iterations, or when no step
+is acceptable or ``beta`` falls below 2^-20 (all reported as not converged).
+
+Local latent sites extend ``q`` to the client's joint over ``(theta, z_k)``: the cavity is flat in
+``z_k`` (their prior is in the client's likelihood), and the factor is the joint's marginal over
+``theta`` divided by the cavity.
 
 Cost per iteration: ``S`` Hessians of the client's log-likelihood (``D`` forward-over-reverse
 passes each) and one ``D x D`` Cholesky per step-size candidate; memory ``O(S D^2)``. A mean-field
@@ -57,6 +67,7 @@ __all__ = ["LocalResult", "NaturalGradientSolver", "PriorSolver", "base_draws",
 
 STEP_HALVINGS = 11
 MIN_STEP = 2.0**-20  # a solve whose step size fell below this stops, reported as not converged
+GROWTH = 1.5  # beta halves when the residual grows by more than this factor in one iteration
 SLACK = 1e-2  # nats a step may lower the local objective (plus 1e-6 of its size) and be taken
 
 
@@ -133,8 +144,10 @@ class NaturalGradientSolver(NamedTuple):
         most ``tol``.
     :param seed: seed of the base draws (the same for every client and round).
     :param step_size: the first iteration's ``beta``.
-    :param extra: an optional term added to the client's log-likelihood (``GlobalVI`` adds the
-        prior correction of :func:`fedppl.sites.prior_correction`).
+    :param extra: an optional term over ``theta`` added to the client's log-likelihood
+        (``GlobalVI`` adds the prior correction of :func:`fedppl.sites.prior_correction`).
+    :param hessian: how the curvature of ``extra`` is estimated (``"pointwise"`` or ``"stein"``,
+        see :class:`PriorSolver`); the data term's is always pointwise.
     """
 
     model: Callable
@@ -161,17 +174,21 @@ class NaturalGradientSolver(NamedTuple):
         marginal over ``theta`` (moment-projected for a mean-field guide) and the new
         conditional."""
         del rng_key  # deterministic: the base draws are fixed
-        log_lik = self.log_lik(data, mask)
+        log_lik = log_lik_fn(self.model, self.guide, data, mask)
+        extra = None
+        if self.extra is not None:
+            D = self.guide.layout.dim
+            extra = (lambda phi, seed=0: self.extra(phi[:D]), self.hessian)
         if local is None:
             eps = base_draws(self.num_draws, q.dim, q.nat1.dtype, self.seed)
             return solve(log_lik, q_cavity, q, eps, self.max_iters, self.tol, self.step_size,
-                         hessian=self.hessian)
+                         extra=extra)
         D, d, diag = q.dim, local.nat1.shape[-1], self.guide.client_diag
         cavity = g.embed(q_cavity if diag else g.to_full(q_cavity), d)
         eps = base_draws(self.num_draws, D + d, q.nat1.dtype, self.seed)
         out = solve(log_lik, cavity, g.join(q, local, diag), eps, self.max_iters, self.tol,
                     self.step_size, num_global=D, structure=self.guide.structure(),
-                    hessian=self.hessian)
+                    extra=extra)
         marginal, conditional = g.split(out.q, D)
         return out._replace(q=g.project_moments(marginal, self.guide.diag), local=conditional)
 
@@ -221,12 +238,17 @@ class PriorSolver(NamedTuple):
 def solve(log_lik: Callable[[Array, Array], Array], q_cavity: g.Gaussian, q_init: g.Gaussian,
           eps: Array, max_iters: int, tol: float, step_size: float = 1.0,
           num_global: int | None = None, structure: Array | None = None,
-          hessian: str = "pointwise") -> LocalResult:
+          hessian: str = "pointwise", extra: tuple[Callable, str] | None = None) -> LocalResult:
     """Iterate ``q <- damp(q, q_cav * t(q), beta)`` from ``q_init`` (see module doc).
 
     With local coordinates (``num_global < q.dim``) the cavity is flat in them and the free
     energy is ``E_q[log p(y, z | theta)] - KL(q(theta) || q_cav) + H[q(z | theta)]``.
+    ``extra = (fn, hessian)`` adds a term to ``log_lik`` whose curvature is estimated its own
+    way (the prior correction, when GlobalVI folds it in).
     """
+    terms = ((log_lik, hessian),) + ((extra,) if extra is not None else ())
+    if extra is not None:
+        log_lik = _sum(log_lik, extra[0])
     dtype = q_init.nat1.dtype
     betas = jnp.asarray([2.0**-i for i in range(STEP_HALVINGS)], dtype)
     inf = jnp.asarray(jnp.inf, dtype)
@@ -241,7 +263,7 @@ def solve(log_lik: Callable[[Array, Array], Array], q_cavity: g.Gaussian, q_init
 
     def body(state):
         q, beta, last, i, _, f_old = state
-        aim = target(log_lik, q_cavity, q, eps, structure, hessian)
+        aim = target(terms, q_cavity, q, eps, structure)
         steps = beta * betas
         candidates = jax.vmap(lambda b: g.damp(q, aim, b))(steps)
         pd = g.is_pd(candidates) & g.is_finite(candidates)
@@ -272,7 +294,7 @@ def solve(log_lik: Callable[[Array, Array], Array], q_cavity: g.Gaussian, q_init
         # the full step's length, estimated from the damped one (KL grows as the step squared),
         # so that a small step size cannot pass for convergence
         residual = change / steps[pick] ** 2
-        beta = jnp.where((residual > last) & (i > 0), 0.5 * beta,
+        beta = jnp.where((residual > GROWTH * last) & (i > 0), 0.5 * beta,
                          jnp.minimum(1.25 * beta, step_size))
         return (q_new, beta, residual, i + 1, ok & (beta > MIN_STEP),
                 jnp.where(ok, f_new, f_old))
@@ -285,6 +307,24 @@ def solve(log_lik: Callable[[Array, Array], Array], q_cavity: g.Gaussian, q_init
             objective(q_init))
     q, _, residual, iters, _, free_energy = jax.lax.while_loop(cond, body, init)
     return LocalResult(q, free_energy, residual <= tol, iters)
+
+
+def _expected_derivatives(log_lik: Callable, kind: str, q: g.Gaussian, eps: Array,
+                          theta: Array) -> tuple[Array, Array]:
+    """``E_q[grad]`` and ``E_q[Hessian]`` of ``log_lik`` over the draws ``theta = m + L eps``:
+    pointwise Hessians, or (``"stein"``) ``L^-T E[eps grad']`` from gradients alone."""
+    seeds = jnp.arange(eps.shape[0])
+    if kind == "stein":
+        grads = jax.vmap(jax.grad(log_lik))(theta, seeds)
+        cross = eps.T @ grads / eps.shape[0]  # E[eps g'] = L' E[H]
+        _, sc = g.mean_and_scale_tril(q)
+        if isinstance(q, g.DiagGaussian):
+            return jnp.mean(grads, axis=0), cross / sc[:, None]
+        return jnp.mean(grads, axis=0), jax.scipy.linalg.solve_triangular(sc.T, cross,
+                                                                          lower=False)
+    grads, hess = jax.vmap(lambda t, s: (jax.grad(log_lik)(t, s),
+                                         jax.hessian(log_lik)(t, s)))(theta, seeds)
+    return jnp.mean(grads, axis=0), jnp.mean(hess, axis=0)
 
 
 def _corrected_steps(q: g.Gaussian, aim: g.Gaussian, steps: Array) -> tuple[Array, g.Gaussian]:
@@ -309,10 +349,16 @@ def _corrected_steps(q: g.Gaussian, aim: g.Gaussian, steps: Array) -> tuple[Arra
     return g.is_pd(candidates) & g.is_finite(candidates), candidates
 
 
-def target(log_lik: Callable[[Array, Array], Array], q_cavity: g.Gaussian, q: g.Gaussian,
-           eps: Array, structure: Array | None = None, hessian: str = "pointwise"
+def _sum(f: Callable, h: Callable) -> Callable:
+    return lambda phi, seed=0: f(phi, seed) + h(phi, seed)
+
+
+def target(terms, q_cavity: g.Gaussian, q: g.Gaussian, eps: Array, structure: Array | None = None
            ) -> g.Gaussian:
     """Where one full natural-gradient step from ``q`` lands (module doc).
+
+    ``terms`` is a log-likelihood ``(phi, seed) -> value``, or pairs ``(log_lik, hessian)`` whose
+    expected gradients and Hessians add up (``hessian`` ``"pointwise"`` or ``"stein"``).
 
     Full rank: ``q_cav`` times the likelihood site ``(E[g] - E[H] m, -E[H])``. Mean-field: the
     precision is the diagonal of ``P = Lambda_cav - E[H]`` (the mean-field stationarity
@@ -321,21 +367,13 @@ def target(log_lik: Callable[[Array, Array], Array], q_cavity: g.Gaussian, q: g.
     ``structure`` (a boolean mask of the precision entries q may have, e.g. a client's global and
     local blocks kept independent) works the same way: precision ``structure * P``, Newton mean.
     """
+    if callable(terms):
+        terms = ((terms, "pointwise"),)
     mean, theta = _draws(q, eps)
-    seeds = jnp.arange(eps.shape[0])
-    if hessian == "stein":
-        grads = jax.vmap(jax.grad(log_lik))(theta, seeds)
-        eg = jnp.mean(grads, axis=0)
-        cross = eps.T @ grads / eps.shape[0]  # E[eps g'] = L' E[H]
-        _, sc = g.mean_and_scale_tril(q)
-        if isinstance(q, g.DiagGaussian):
-            eh = cross / sc[:, None]
-        else:
-            eh = jax.scipy.linalg.solve_triangular(sc.T, cross, lower=False)
-    else:
-        grads, hess = jax.vmap(lambda t, s: (jax.grad(log_lik)(t, s),
-                                             jax.hessian(log_lik)(t, s)))(theta, seeds)
-        eg, eh = jnp.mean(grads, axis=0), jnp.mean(hess, axis=0)
+    eg, eh = 0.0, 0.0
+    for fn, kind in terms:
+        g_k, h_k = _expected_derivatives(fn, kind, q, eps, theta)
+        eg, eh = eg + g_k, eh + h_k
     eh = 0.5 * (eh + eh.T)
     if isinstance(q, g.FullGaussian) and structure is None:
         return g.product(q_cavity, g.FullGaussian(eg - eh @ mean, -eh))

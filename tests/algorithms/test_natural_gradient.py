@@ -65,7 +65,7 @@ def test_float32_agrees_with_float64(logistic_data):
     def solve(dtype):
         Xd, yd = jnp.asarray(Xb, dtype), jnp.asarray(y, dtype)
 
-        def log_lik(theta):
+        def log_lik(theta, seed=0):
             logits = Xd @ theta
             return jnp.sum(yd * jax.nn.log_sigmoid(logits) + (1 - yd) * jax.nn.log_sigmoid(-logits))
 

@@ -116,9 +116,9 @@ def test_all_masked_client_keeps_identity_factor_and_nan_is_rejected(problem):
     guide = PVIGuide(logistic_model, family="fullrank").setup(X, y)
     solver = PolyaGammaSolver(logistic_model, guide)
     zero = g.zeros_like(guide.prior)
-    step = jax.jit(lambda q, f, d, m: pvi.client_update(q, f, d, m, jax.random.key(0), solver,
-                                                        1.0))
-    msg, factor = step(reference.q, zero, (X[:20], y[:20]), jnp.zeros(20, bool))
+    step = jax.jit(lambda q, f, d, m: pvi.client_update(q, pvi.ClientState(f), d, m,
+                                                        jax.random.key(0), solver, 1.0))
+    msg, (factor, _) = step(reference.q, zero, (X[:20], y[:20]), jnp.zeros(20, bool))
     np.testing.assert_array_equal(factor.prec, 0.0)
     np.testing.assert_array_equal(factor.nat1, 0.0)
     assert float(msg.free_energy) == 0.0
