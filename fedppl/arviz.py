@@ -33,12 +33,16 @@ def _arviz():
 def to_inference_data(result: PVIResult, rng_key=None, num_samples: int = 1000):
     """Posterior draws (one chain), per-client factor precisions and run history.
 
+    Local sites (a client's random effects) carry a ``client`` dimension after ``draw``.
+
     The factors are exported as their natural parameters over the flat unconstrained vector
     (``factor_nat1``, ``factor_prec``), since a factor need not be a normalisable distribution.
     """
     az = _arviz()
     rng_key = jax.random.key(0) if rng_key is None else rng_key
-    draws = {k: np.asarray(v)[None] for k, v in result.sample(rng_key, num_samples).items()}
+    # every client's local sites, drawn given the same draws of the global ones
+    draws = result.guide.sample(rng_key, result.q, num_samples, result.local)
+    draws = {k: np.asarray(v)[None] for k, v in draws.items()}
     nat1 = np.asarray(result.factors.nat1)
     prec = np.asarray(result.factors.prec)
     full = isinstance(result.factors, g.FullGaussian)
@@ -46,6 +50,9 @@ def to_inference_data(result: PVIResult, rng_key=None, num_samples: int = 1000):
     dims = {"factor_nat1": ["client", "theta"],
             "factor_prec": ["client", "theta", "theta_"] if full else ["client", "theta"]}
     coords = {"client": list(result.client_names) or list(range(nat1.shape[0]))}
+    if result.local is not None:
+        for site in result.guide.local_layout.sites:
+            dims[site.name] = ["client"] + [f"{site.name}_dim_{i}" for i in range(len(site.shape))]
     idata = az.from_dict(posterior=draws, constant_data=constant, coords=coords, dims=dims)
     fe = result.history.get("free_energy")
     if fe is not None and len(fe):
