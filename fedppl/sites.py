@@ -425,6 +425,11 @@ def _fixed_gaussian(fn: dist.Distribution, transform: Transform, shape: tuple,
             loc = jnp.broadcast_to(base.loc, shape).reshape(-1)
             var = jnp.broadcast_to(base.scale**2, shape).reshape(-1)
             return loc, var
-    if isinstance(fn, dist.MultivariateNormal) and fn.batch_shape == () and len(shape) == 1:
-        return fn.loc, fn.covariance_matrix
+    if isinstance(fn, dist.MultivariateNormal) and is_identity(transform):
+        # rows of the site are independent draws: a block-diagonal covariance
+        d = fn.event_shape[-1]
+        rows = math.prod(shape[:-1])
+        loc = jnp.broadcast_to(fn.loc, shape).reshape(-1)
+        cov = jnp.broadcast_to(fn.covariance_matrix, shape[:-1] + (d, d)).reshape(rows, d, d)
+        return loc, jax.scipy.linalg.block_diag(*cov) if rows > 1 else cov[0]
     return None

@@ -85,6 +85,7 @@ class PVIGuide:
         """Trace the model on prototype data (one client's arrays) to find the global and local
         sites, the prior's Gaussian base and its correction (again only when the arrays' shapes or
         the keyword arguments change: GlobalVI's pooled data may have more groups)."""
+        args = tuple(jnp.asarray(a) for a in args)  # traced inside compiled rounds later
         signature = (tuple(jnp.shape(a) for a in args), repr(sorted(kwargs.items())))
         if self.layout is None or signature != self._signature:
             self._signature = signature
