@@ -117,9 +117,13 @@ class PVIResult:
 class PVI:
     """Partitioned variational inference over the global sites of a NumPyro model.
 
-    :param model: an ordinary NumPyro model, called as ``model(*client_arrays)``; per-datum
-        observations must sit in a plate over the data (``numpyro.plate("data", N)``).
-    :param guide: a :class:`~fedppl.guides.PVIGuide` for the model.
+    :param model: an ordinary NumPyro model, called as ``model(*client_arrays, **model_kwargs)``
+        (static keyword arguments are given to :meth:`run`); per-datum observations must sit in
+        a plate over the data (``numpyro.plate("data", N)``, which may subsample). Any prior
+        with a bijection to an unconstrained space enters exactly, through a prior factor the
+        server refines (:func:`fedppl.sites.prior_correction`).
+    :param guide: a :class:`~fedppl.guides.PVIGuide` for the model; its local sites (if any) get
+        a private guide at each client.
     :param schedule: ``"sequential"`` (clients in turn), ``"synchronous"`` (all at once, vmapped)
         or ``"loop"`` (synchronous with a Python loop: for benchmarks).
     :param damping: ``rho`` in (0, 1]: a factor moves ``rho`` of the way to its new value.
@@ -525,8 +529,9 @@ def _warn(message: str) -> None:
 class GlobalVI:
     """The same guide family fitted to the pooled data: the answer PVI converges to.
 
-    Implemented as PVI with one client holding all the data (its cavity is the prior, so its local
-    free energy is the global ELBO), with the same local solver. With the default natural-gradient
+    Implemented as PVI with one client holding all the data (its cavity is the prior's Gaussian
+    base, and a prior correction, if any, is part of its likelihood, so its local free energy is
+    the global ELBO), with the same local solver. With the default natural-gradient
     solver and the same ``num_particles``, PVI's fixed point is exactly this one (the same fixed
     draws; see :mod:`fedppl.algorithms.natural_gradient`). ``run`` accepts :class:`Clients`
     (pooled first) or the model's arrays as a tuple.

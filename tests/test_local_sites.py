@@ -106,6 +106,23 @@ def test_conjugate_random_intercepts_are_exact(schedule):
     assert abs(float(draws["a"].mean()) - mean[7]) < 4 * np.sqrt(cov[7, 7] / 4000)
 
 
+def test_groups_a_client_holds_no_data_for_change_nothing():
+    """Every client carries all K groups (one shape everywhere), with data for its own only: the
+    others are marginalised out exactly, so the answer is the one-group-per-client one."""
+    parts = grouped_data()
+    padded = [(X, np.full(len(y), k), y) for k, (X, _, y) in enumerate(parts)]
+    guide = PVIGuide(random_intercepts, global_sites=["mu", "w"], family="fullrank")
+    res = fedppl.PVI(random_intercepts, guide).run(
+        jax.random.key(0), fedppl.Clients.from_list(padded), 5, progress_bar=False,
+        n_groups=len(parts))
+    mean, cov = exact_posterior(parts)
+    np.testing.assert_allclose(res.mean_and_cov()[0], mean[:3], atol=1e-6)
+    np.testing.assert_allclose(res.mean_and_cov()[1], cov[:3, :3], atol=1e-6)
+    own = unconstrained_moments(res, client=2)["a"]
+    np.testing.assert_allclose(own[0][2], mean[5], atol=1e-6)
+    np.testing.assert_allclose(own[1][2], np.sqrt(cov[5, 5]), atol=1e-6)
+
+
 def test_independent_local_guide_understates_global_uncertainty():
     """The documented cost of local='independent': q(theta) q(z) misses their correlation."""
     parts = grouped_data()

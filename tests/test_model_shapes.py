@@ -95,9 +95,9 @@ def subsampled(X, y=None, *, batch=None):
 
 
 def test_subsampled_data_plate_is_a_minibatched_local_step():
-    """Each of the solver's draws sees its own minibatch: the answer stays near the full-data
-    one (the minibatches' noise, not their sum, is what the fixed draws carry); padded rows of
-    unequal clients stay masked inside minibatches."""
+    """Each of the solver's draws sees its own minibatch, consecutive slices of one permutation
+    (so the draws together cover each client's rows evenly): the answer stays within Monte
+    Carlo tolerance of the full-data one; padded rows of unequal clients stay masked."""
     rng = np.random.default_rng(2)
     X = rng.normal(size=(1200, 3))
     y = X @ np.array([1.0, -0.5, 0.2]) + 0.8 * rng.normal(size=1200)
@@ -107,7 +107,7 @@ def test_subsampled_data_plate_is_a_minibatched_local_step():
     mini = fedppl.PVI(subsampled, PVIGuide(subsampled, family="fullrank")).run(
         jax.random.key(0), clients, 10, progress_bar=False, tol=1e-12, batch=200)
     mean_gap, sd_gap = worst_gap(unconstrained_moments(mini), unconstrained_moments(full))
-    assert mean_gap < 0.5 and sd_gap < 0.2, (mean_gap, sd_gap)
+    assert mean_gap < 0.1 and sd_gap < 0.05, (mean_gap, sd_gap)
     # with a batch as large as the data the minibatch is the whole (permuted) client
     same = fedppl.PVI(subsampled, PVIGuide(subsampled, family="fullrank")).run(
         jax.random.key(0), clients, 10, progress_bar=False, tol=1e-12, batch=700)

@@ -104,24 +104,83 @@ def log_lik_fn(model: Callable, guide: PVIGuide, data: tuple, mask: Array
                ) -> Callable[[Array, Array], Array]:
     """``(phi, seed) -> log p(y_k, z_k | theta)``: the client's masked observed log density at the
     flat unconstrained vector ``phi = (theta, z_k)`` of its global and (if the guide has any)
-    local sites, with the local sites' prior densities and Jacobians. ``seed`` seeds the model's
-    own randomness (a subsampling data plate draws its minibatch from it)."""
-    from fedppl.algorithms.pvi import observed_log_lik
+    local sites, with the local sites' prior densities and Jacobians. ``seed`` is the draw's
+    index: a subsampling data plate takes its minibatch from it (see
+    :class:`~fedppl.handlers.client.client`).
 
-    local = client(model, mask=mask)
+    A local coordinate that none of the client's observations depends on (a group this client
+    holds no data for, kept so that every client's local sites have one shape) is marginalised
+    out exactly: its prior term is replaced by a standard normal in its own coordinate, so the
+    client's optimum there is that normal, independent of ``theta``, and it adds nothing to the
+    free energy. Kept in, its prior term would inform the group scale through the Gaussian
+    approximation of an integral that is 1 (each such group shrinks the variance of log tau).
+    """
     layout, loc = guide.layout, guide.local_layout
     D = layout.dim
 
-    def log_lik(phi: Array, seed: Array = 0) -> Array:
+    def scoped(seed):
+        return client(model, mask=mask, draw=seed)
+
+    if loc is None:
+        return lambda phi, seed=0: _observed(_trace(scoped(seed), layout.constrain(phi), data))
+
+    def trace(phi, seed):
         values = layout.constrain(phi[:D])
-        if loc is None:
-            return observed_log_lik(local, values, *data, seed=seed)
+        values.update(loc.constrain(phi[D:]))
+        return _trace(scoped(seed), values, data)
+
+    def observed(phi, seed):
+        return _observed(trace(phi, seed))
+
+    # which local coordinates the data touch: the observed term's gradient at two points
+    d = loc.dim
+    dtype = data_dtype(data)
+    probe = [jnp.concatenate([jnp.full(D, c, dtype), c + 0.05 * jnp.arange(d, dtype=dtype)])
+             for c in (0.1, -0.3)]
+    touched = sum(jnp.abs(jax.grad(observed)(p, 0)[D:]) for p in probe) > 0
+
+    def log_lik(phi: Array, seed: Array = 0) -> Array:
+        tr = trace(phi, seed)
+        total = _observed(tr)
         z = phi[D:]
-        values.update(loc.constrain(z))
-        return (observed_log_lik(local, values, *data, seed=seed, local_sites=loc.names)
-                + loc.log_abs_det_jacobian(z))
+        for s in loc.sites:
+            u = z[s.slice]
+            here = touched[s.slice]
+            std = -0.5 * (u**2 + jnp.log(2 * jnp.pi))
+            value = tr[s.name]["value"]
+            lp = tr[s.name]["fn"].log_prob(value)
+            ladj = s.transform.log_abs_det_jacobian(u.reshape(s.unconstrained_shape), value)
+            if jnp.shape(lp) == s.shape and jnp.shape(ladj) == s.shape and s.size == lp.size:
+                exact = jnp.reshape(lp + ladj, (-1,))  # one term per coordinate
+                total = total + jnp.sum(jnp.where(here, exact, std))
+            else:  # terms that do not split by coordinate: the whole site or nothing
+                total = total + jnp.where(jnp.any(here), jnp.sum(lp) + jnp.sum(ladj),
+                                          jnp.sum(std))
+        return total
 
     return log_lik
+
+
+def data_dtype(data: tuple):
+    """The floating dtype the client's arrays compute in (float64 under x64)."""
+    floats = [jnp.result_type(a) for a in data if jnp.issubdtype(jnp.result_type(a), jnp.floating)]
+    return floats[0] if floats else jnp.result_type(float)
+
+
+def _trace(model: Callable, values: dict, data: tuple) -> dict:
+    from numpyro import handlers
+
+    return handlers.trace(handlers.substitute(handlers.seed(model, 0), data=values)).get_trace(
+        *data)
+
+
+def _observed(tr: dict) -> Array:
+    total = 0.0
+    for site in tr.values():
+        if site["type"] == "sample" and site["is_observed"]:
+            lp = jnp.sum(site["fn"].log_prob(site["value"]))
+            total = total + (lp if site["scale"] is None else site["scale"] * lp)
+    return total
 
 
 def expected_log_lik(log_lik: Callable[[Array, Array], Array], q: g.Gaussian, eps: Array

@@ -1,7 +1,11 @@
 """Partitioned variational inference as pure functions (Ashman et al. 2022; Sec. 3 of the
 federated sparse GP paper).
 
-The server holds ``q = p * prod_k t_k``; client ``k`` holds its factor ``t_k``. One client step:
+The server holds ``q = p * prod_k t_k``; client ``k`` holds its factor ``t_k`` (and, for a model
+with local sites, a private guide over them: :class:`ClientState`). For a prior that is not
+Gaussian in the unconstrained space, ``p`` is a Gaussian base times one more factor ``t_0`` that
+the server holds and refines with :func:`prior_update`, a client step whose likelihood is the
+prior's correction. One client step:
 
 1. cavity ``q_{\\k} = q / t_k`` (repaired if not positive definite, and flagged);
 2. ``q_k = argmax_q E_q[log p(y_k | theta)] - KL(q || q_{\\k})`` by a :class:`LocalSolver`
@@ -18,10 +22,10 @@ sides.
 
 Example (what :class:`fedppl.PVI` does each synchronous round)::
 
-    >>> msgs, _ = jax.vmap(client_update, (None, 0, 0, 0, 0, None, None))(
-    ...     state.q, factors, data, masks, keys, solver, damping)
+    >>> msgs, proposed = jax.vmap(client_update, (None, 0, 0, 0, 0, None, None))(
+    ...     state.q, clients, data, masks, keys, solver, damping)
     >>> state, steps = server_update(state, msgs)
-    >>> factors = acknowledge(factors, msgs, steps)
+    >>> clients = acknowledge(clients, msgs, steps, proposed)
 """
 
 from __future__ import annotations
@@ -43,7 +47,7 @@ from fedppl.handlers.client import client
 __all__ = [
     "ServerState", "ClientState", "ClientMessage", "prior_update", "LocalSolver", "LocalResult", "NaturalGradientSolver",
     "VariationalSolver", "ConjugateSolver",
-    "init", "client_update", "server_update", "acknowledge", "observed_log_lik",
+    "init", "client_update", "server_update", "acknowledge",
 ]
 
 STEP_SIZES = tuple(2.0**-i for i in range(11))
@@ -252,22 +256,3 @@ def acknowledge(states: ClientState, messages: ClientMessage, steps: Array,
             lambda new, old: jnp.where(steps.reshape(steps.shape + (1,) * (new.ndim - 1)) > 0,
                                        new, old), proposed.local, local)
     return ClientState(factor, local)
-
-
-# -- evaluation ----------------------------------------------------------------------------------
-
-
-def observed_log_lik(model: Callable, values: dict[str, Array], *args: Any, seed: Any = 0,
-                     local_sites: tuple[str, ...] = (), **kwargs: Any) -> Array:
-    """Sum of the (masked, scaled) log densities of the observed sites at the given values, and
-    of the prior densities of ``local_sites`` (a client's own latent sites). ``seed`` seeds the
-    model's randomness (a subsampling plate's minibatch)."""
-    tr = handlers.trace(handlers.substitute(handlers.seed(model, seed), data=values)).get_trace(
-        *args, **kwargs
-    )
-    total = 0.0
-    for name, site in tr.items():
-        if site["type"] == "sample" and (site["is_observed"] or name in local_sites):
-            lp = jnp.sum(site["fn"].log_prob(site["value"]))
-            total = total + (lp if site["scale"] is None else site["scale"] * lp)
-    return total

@@ -1,7 +1,10 @@
 """``PVIGuide``: a Gaussian guide over a model's global sites, shaped as prior x client factors.
 
 q(theta) = p(theta) * prod_k t_k(theta) lives in the unconstrained space of the global sites
-(constrained sites go through ``biject_to(support)``, as with AutoNormal). The guide is an ordinary
+(``p`` is the prior's Gaussian base times the server's prior factor when the prior is not
+Gaussian there; see :mod:`fedppl.sites`). Local sites (a client's random effects) get a private
+conditional guide ``q(z_k | theta)`` at each client (:class:`~fedppl.families.gaussian.Conditional`).
+Constrained sites go through ``biject_to(support)``, as with AutoNormal. The guide is an ordinary
 NumPyro guide whose parameters are q's mean and scale (``pvi_loc``, ``pvi_scale_raw``); PVI reads
 and writes q through :meth:`PVIGuide.params_from` and :meth:`PVIGuide.q_from`, and keeps the
 factors themselves in natural parameters (:mod:`fedppl.families.gaussian`).
@@ -130,6 +133,9 @@ class PVIGuide:
     # -- the NumPyro guide ---------------------------------------------------------------------
 
     def __call__(self, *args: Any, **kwargs: Any) -> None:
+        """The guide over the global sites as a NumPyro guide (for ``Trace_ELBO`` and the
+        ``cavity`` handler); local sites are not in it, so under a NumPyro ELBO they would be
+        drawn from their prior. PVI itself does not call it."""
         layout = self._require_setup()
         init = self.params_from(self.prior)
         loc = numpyro.param("pvi_loc", init["pvi_loc"])

@@ -5,7 +5,9 @@ run through one compiled function. This handler masks the padded rows out of eve
 inside the data plate, and optionally rescales the likelihood when the call sees a minibatch of
 the client's ``num_data`` points (scale ``num_data / batch``). A data plate that subsamples
 (``numpyro.plate("data", N, subsample_size=b)``) gets the mask rows of its subsample; numpyro
-scales the batch by ``N / b``. A ``numpyro.factor`` in no plate is a term of the prior, which the
+scales the batch by ``N / b``. Given ``draw`` (the index of one of a local step's Monte Carlo
+draws), the handler picks that minibatch itself: consecutive slices of one fixed permutation, so
+that the step's draws together see every row about equally often. A ``numpyro.factor`` in no plate is a term of the prior, which the
 server counts once (:func:`fedppl.sites.prior_correction`), so clients drop it.
 
 Example::
@@ -17,6 +19,7 @@ Example::
 
 from __future__ import annotations
 
+import jax
 import jax.numpy as jnp
 from jax import Array
 from numpyro.primitives import Messenger
@@ -35,10 +38,12 @@ class client(Messenger):
         ``N_max``. Every observed site must sit inside it.
     :param num_data: if given, the client's total number of points; the likelihood is scaled by
         ``num_data / mask.sum()`` (for minibatches).
+    :param draw: the Monte Carlo draw this call belongs to; a subsampling data plate then takes
+        the draw's slice of a fixed permutation instead of a random minibatch.
     """
 
     def __init__(self, fn=None, mask: Array | None = None, plate: str | None = None,
-                 num_data: int | Array | None = None):
+                 num_data: int | Array | None = None, draw: int | Array | None = None):
         if mask is None:
             raise ValueError("client needs a mask over the padded data points")
         if jnp.ndim(mask) != 1:
@@ -46,6 +51,7 @@ class client(Messenger):
         self.mask = mask
         self.plate = plate
         self.num_data = num_data
+        self.draw = draw
         super().__init__(fn)
 
     # The data plate's subsample indices (numpyro.plate(..., subsample_size=b)) are seen in its
@@ -62,10 +68,23 @@ class client(Messenger):
         if msg["type"] == "plate" and self._is_data_plate(msg["name"], msg["args"][0]):
             self._subsamples[msg["name"]] = msg["value"]
 
+    def _balanced(self, msg):
+        """Draw ``s``'s minibatch: rows ``s b, ..., s b + b - 1`` (mod N) of one fixed
+        permutation, so that the draws of a local step cover the client's rows evenly."""
+        size, batch = msg["args"][0], msg["args"][1]
+        perm = jax.random.permutation(jax.random.key(0), size)
+        start = (jnp.asarray(self.draw) * batch) % size
+        msg["value"] = perm[(start + jnp.arange(batch)) % size]
+
     def _is_data_plate(self, name: str, size: int) -> bool:
         return name == self.plate if self.plate is not None else size == jnp.shape(self.mask)[0]
 
     def process_message(self, msg):
+        if (msg["type"] == "plate" and self.draw is not None and msg["value"] is None
+                and msg["args"][1] is not None and msg["args"][1] < msg["args"][0]
+                and self._is_data_plate(msg["name"], msg["args"][0])):
+            self._balanced(msg)
+            return
         if msg["type"] != "sample" or not msg["is_observed"]:
             return
         if is_prior_factor(msg):  # a factor in no plate is the prior's, counted by the server
