@@ -18,8 +18,9 @@ Run::
     python benchmarks/model_gallery.py --schedule synchronous --repeats 3
 
 Prints a markdown table and writes JSON (machine, settings, one row per model) to ``--out``
-(default ``benchmarks/results/model_gallery.json``). References are cached (see
-:mod:`gallery_references`), so a second run only re-runs fedppl.
+(default ``benchmarks/results/model_gallery.json``; ``model_gallery_quick.json`` with
+``--quick``). References are cached (see :mod:`gallery_references`), so a second run only re-runs
+fedppl.
 """
 
 from __future__ import annotations
@@ -44,6 +45,7 @@ import gallery_references as refs  # noqa: E402  (sets jax_enable_x64, puts the 
 from examples.gallery import GALLERY, Entry  # noqa: E402
 
 OUT = HERE / "results" / "model_gallery.json"
+QUICK_OUT = HERE / "results" / "model_gallery_quick.json"
 NUM_ROUNDS, TOL, DAMPING, NUM_DRAWS = 30, 1e-8, 1.0, 20000
 
 
@@ -196,8 +198,10 @@ def main(argv=None) -> None:
     p.add_argument("--rounds", type=int, default=NUM_ROUNDS)
     p.add_argument("--repeats", type=int, default=1, help="fedppl runs to time (median)")
     p.add_argument("--data-seed", type=int, default=0)
-    p.add_argument("--out", type=Path, default=OUT)
+    p.add_argument("--out", type=Path, default=None,
+                   help=f"JSON path (default {OUT.name}, or {QUICK_OUT.name} with --quick)")
     args = p.parse_args(argv)
+    args.out = args.out or (QUICK_OUT if args.quick else OUT)
     names = args.models.split(",") if args.models else list(GALLERY)
     unknown = [n for n in names if n not in GALLERY]
     if unknown:
