@@ -29,9 +29,10 @@ mixture) the step carries the second-order term of Lin, Schmidt and Khan (2020),
 + (b^2/2) G Sigma G``, which is positive definite for every ``b`` and has the same fixed point.
 Progress is measured by the residual ``KL(q_new || q_old) / step^2``, the length of a full step
 (KL grows as the square of the step), so that a shrunken step cannot pass for convergence.
-``beta`` is halved whenever the residual grows by more than half in one iteration (the undamped
-iteration oscillates on hard problems, such as nearly separable classes) and grows by a quarter,
-up to ``step_size``, otherwise (a slow drift along a flat valley keeps its step). The solve stops
+``beta`` is halved whenever the residual grows while the objective gains less than the slack (the
+undamped iteration oscillates on hard problems, such as nearly separable classes) and grows by a
+quarter, up to ``step_size``, otherwise (a drift along a flat valley, where the residual may grow
+while the objective climbs, keeps its step). The solve stops
 when the residual is at most ``tol`` (converged), after ``max_iters`` iterations, or when no step
 is acceptable or ``beta`` falls below 2^-20 (all reported as not converged).
 
@@ -67,7 +68,6 @@ __all__ = ["LocalResult", "NaturalGradientSolver", "PriorSolver", "base_draws",
 
 STEP_HALVINGS = 11
 MIN_STEP = 2.0**-20  # a solve whose step size fell below this stops, reported as not converged
-GROWTH = 1.5  # beta halves when the residual grows by more than this factor in one iteration
 SLACK = 1e-2  # nats a step may lower the local objective (plus 1e-6 of its size) and be taken
 
 
@@ -353,7 +353,10 @@ def solve(log_lik: Callable[[Array, Array], Array], q_cavity: g.Gaussian, q_init
         # the full step's length, estimated from the damped one (KL grows as the step squared),
         # so that a small step size cannot pass for convergence
         residual = change / steps[pick] ** 2
-        beta = jnp.where((residual > GROWTH * last) & (i > 0), 0.5 * beta,
+        # an oscillation: the residual grew while the objective hardly moved. A residual that
+        # grows while the objective climbs is a drift along a valley, and keeps its step.
+        gain = jnp.where(ok, f_new - f_old, 0.0)
+        beta = jnp.where((residual > last) & (i > 0) & (gain < SLACK), 0.5 * beta,
                          jnp.minimum(1.25 * beta, step_size))
         return (q_new, beta, residual, i + 1, ok & (beta > MIN_STEP),
                 jnp.where(ok, f_new, f_old))
