@@ -11,7 +11,6 @@ numpyro's ``SVI`` with ``AutoMultivariateNormal``; both within the Monte Carlo t
 from __future__ import annotations
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 import numpyro
 import numpyro.distributions as dist

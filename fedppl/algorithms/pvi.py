@@ -30,13 +30,12 @@ Example (what :class:`fedppl.PVI` does each synchronous round)::
 
 from __future__ import annotations
 
-from typing import Any, Callable, NamedTuple, Protocol
+from typing import Callable, NamedTuple, Protocol
 
 import jax
 import jax.numpy as jnp
 import optax
 from jax import Array
-from numpyro import handlers
 
 from fedppl.algorithms import conjugate
 from fedppl.algorithms.natural_gradient import LocalResult, NaturalGradientSolver, log_lik_fn
