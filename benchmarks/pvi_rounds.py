@@ -280,14 +280,18 @@ def main(argv: list[str] | None = None) -> None:
                      "max_seconds": args.max_seconds, "quick": args.quick, "damping": "1/K",
                      "optimizer": "adam(1e-2)", "num_particles": 1, "elbo_samples": 0,
                      "dtype": "float64 (jax_enable_x64)"},
-        "machine": machine(),
-        "total_wall_s": wall,
-        "load_average_1_5_15min": {"before": load_before, "after": os.getloadavg()},
-        "results": rows,
     }
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(report, indent=2) + "\n")
-    print(f"wrote {args.out}")
+    write_report(args.out, report, wall, load_before, rows)
+
+
+def write_report(out: Path, report: dict, wall: float, load_before, rows: list[dict]) -> None:
+    """Add the machine, wall time, load and rows to ``report`` and write it as JSON."""
+    report.update({"machine": machine(), "total_wall_s": wall,
+                   "load_average_1_5_15min": {"before": load_before, "after": os.getloadavg()},
+                   "results": rows})
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(report, indent=2) + "\n")
+    print(f"wrote {out}")
 
 
 def main_local(args: argparse.Namespace) -> None:
@@ -311,14 +315,8 @@ def main_local(args: argparse.Namespace) -> None:
         "settings": {"clients": args.clients, "total": args.total, "dim": args.dim,
                      "rounds": args.rounds, "damping": "1/K", "elbo_samples": 0,
                      "dtype": "float64 (jax_enable_x64)"},
-        "machine": machine(),
-        "total_wall_s": wall,
-        "load_average_1_5_15min": {"before": load_before, "after": os.getloadavg()},
-        "results": rows,
     }
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(report, indent=2) + "\n")
-    print(f"wrote {args.out}")
+    write_report(args.out, report, wall, load_before, rows)
 
 
 if __name__ == "__main__":
