@@ -21,7 +21,6 @@ from typing import Any, Callable
 import jax
 import jax.numpy as jnp
 import numpy as np
-import numpyro.distributions as dist
 import optax
 from jax import Array
 from tqdm.auto import tqdm
@@ -33,6 +32,7 @@ from fedppl.families import gaussian as g
 from fedppl.guides.pvi_guide import PVIGuide
 from fedppl.handlers.client import client
 from fedppl.runtime.embedded import make_round
+from fedppl.sites import curvature
 
 __all__ = ["PVI", "GlobalVI", "PVIResult"]
 
@@ -228,7 +228,7 @@ class PVI:
         prior_solver = None
         if correction is not None and not fold_prior:
             prior_solver = PriorSolver(correction, S, iters, tol,
-                                       hessian=_hessian_for(self.guide.layout))
+                                       hessian=curvature(self.guide.layout))
         reason = None
         if has_local:
             reason = "the model has local latent sites"
@@ -257,7 +257,7 @@ class PVI:
                                           opt(self.local_tol, 1e-4)), prior_solver)
         return (pvi.NaturalGradientSolver(model, self.guide, S, iters, tol,
                                           extra=correction if fold_prior else None,
-                                          hessian=_hessian_for(self.guide.layout)
+                                          hessian=curvature(self.guide.layout)
                                           if fold_prior else "pointwise"), prior_solver)
 
     def init_factors(self, num_clients: int) -> g.Gaussian:
@@ -429,18 +429,6 @@ def _check_local_shapes(guide: PVIGuide, clients: Clients, model_kwargs: dict) -
                     "the model the number of groups as a static keyword argument (the largest "
                     "over clients; groups without data keep their prior)"
                 )
-
-
-def _hessian_for(layout) -> str:
-    """Gradient-based (Stein) curvature for priors with a kink (Laplace), pointwise otherwise."""
-    kinked = (dist.Laplace, dist.AsymmetricLaplace)
-    for s in layout.sites:
-        fn = s.prior
-        while isinstance(fn, (dist.Independent, dist.ExpandedDistribution)):
-            fn = fn.base_dist
-        if s.name in layout.corrected and isinstance(fn, kinked):
-            return "stein"
-    return "pointwise"
 
 
 HISTORY = ("free_energy", "elbo", "kl_change", "converged", "local_iterations", "messages_up",

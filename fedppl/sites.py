@@ -34,7 +34,7 @@ from numpyro.distributions.transforms import IdentityTransform, Transform, bijec
 
 from fedppl.families.gaussian import DiagGaussian, FullGaussian, Gaussian
 
-__all__ = ["Site", "SiteLayout", "classify", "prior_factor", "prior_correction"]
+__all__ = ["Site", "SiteLayout", "classify", "prior_factor", "prior_correction", "curvature"]
 
 BASE_DRAWS = 512  # prior draws that place the Gaussian base of a corrected site
 
@@ -385,6 +385,24 @@ def prior_correction(model: Callable, layout: SiteLayout, family: str, args: tup
     return correction
 
 
+def innermost(fn: dist.Distribution) -> dist.Distribution:
+    """The distribution inside any ``expand`` / ``to_event`` wrappers."""
+    while isinstance(fn, (dist.Independent, dist.ExpandedDistribution)):
+        fn = fn.base_dist
+    return fn
+
+
+def curvature(layout: SiteLayout) -> str:
+    """How the prior correction's curvature is estimated: from gradients (``"stein"``) when a
+    corrected site's prior has a kink (Laplace: its pointwise Hessian is zero almost everywhere),
+    else from pointwise Hessians."""
+    kinked = (dist.Laplace, dist.AsymmetricLaplace)
+    if any(s.name in layout.corrected and isinstance(innermost(s.prior), kinked)
+           for s in layout.sites):
+        return "stein"
+    return "pointwise"
+
+
 def is_prior_factor(site: dict) -> bool:
     """A ``numpyro.factor`` in no plate: a term of the prior, counted once (by the server)."""
     return (site["type"] == "sample" and site["is_observed"]
@@ -406,8 +424,7 @@ def _fixed_gaussian(fn: dist.Distribution, transform: Transform, shape: tuple,
                     name: str) -> tuple[Array, Array] | None:
     """Flat mean and covariance (or variance vector) of a prior that is one Gaussian in the
     unconstrained space, or None."""
-    while isinstance(fn, (dist.Independent, dist.ExpandedDistribution)):
-        fn = fn.base_dist
+    fn = innermost(fn)
     if isinstance(fn, dist.Normal) and is_identity(transform):
         loc = jnp.broadcast_to(fn.loc, shape).reshape(-1)
         var = jnp.broadcast_to(fn.scale**2, shape).reshape(-1)
@@ -418,9 +435,7 @@ def _fixed_gaussian(fn: dist.Distribution, transform: Transform, shape: tuple,
         and len(fn.transforms) == 1
         and isinstance(fn.transforms[0], dist.transforms.ExpTransform)
     ):
-        base = fn.base_dist
-        while isinstance(base, (dist.Independent, dist.ExpandedDistribution)):
-            base = base.base_dist
+        base = innermost(fn.base_dist)
         if isinstance(base_transform(transform), dist.transforms.ExpTransform):
             loc = jnp.broadcast_to(base.loc, shape).reshape(-1)
             var = jnp.broadcast_to(base.scale**2, shape).reshape(-1)

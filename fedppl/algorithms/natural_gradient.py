@@ -219,12 +219,17 @@ class NaturalGradientSolver(NamedTuple):
     extra: Callable[[Array], Array] | None = None
     hessian: str = "pointwise"
 
-    def log_lik(self, data: tuple, mask: Array) -> Callable[[Array, Array], Array]:
-        log_lik = log_lik_fn(self.model, self.guide, data, mask)
+    def _extra(self) -> tuple[Callable, str] | None:
+        """``extra`` as a term over ``phi`` with its curvature estimator, or None."""
         if self.extra is None:
-            return log_lik
+            return None
         D = self.guide.layout.dim
-        return lambda phi, seed=0: log_lik(phi, seed) + self.extra(phi[:D])
+        return (lambda phi, seed=0: self.extra(phi[:D]), self.hessian)
+
+    def log_lik(self, data: tuple, mask: Array) -> Callable[[Array, Array], Array]:
+        """The client's log density over ``phi``, with ``extra`` added."""
+        log_lik, extra = log_lik_fn(self.model, self.guide, data, mask), self._extra()
+        return log_lik if extra is None else _sum(log_lik, extra[0])
 
     def __call__(self, q_cavity: g.Gaussian, q: g.Gaussian, data: tuple, mask: Array,
                  rng_key: Array, local: g.Conditional | None = None) -> LocalResult:
@@ -233,11 +238,7 @@ class NaturalGradientSolver(NamedTuple):
         marginal over ``theta`` (moment-projected for a mean-field guide) and the new
         conditional."""
         del rng_key  # deterministic: the base draws are fixed
-        log_lik = log_lik_fn(self.model, self.guide, data, mask)
-        extra = None
-        if self.extra is not None:
-            D = self.guide.layout.dim
-            extra = (lambda phi, seed=0: self.extra(phi[:D]), self.hessian)
+        log_lik, extra = log_lik_fn(self.model, self.guide, data, mask), self._extra()
         if local is None:
             eps = base_draws(self.num_draws, q.dim, q.nat1.dtype, self.seed)
             return solve(log_lik, q_cavity, q, eps, self.max_iters, self.tol, self.step_size,

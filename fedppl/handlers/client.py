@@ -52,6 +52,7 @@ class client(Messenger):
         self.plate = plate
         self.num_data = num_data
         self.draw = draw
+        self._subsamples: dict = {}
         super().__init__(fn)
 
     # The data plate's subsample indices (numpyro.plate(..., subsample_size=b)) are seen in its
@@ -91,7 +92,7 @@ class client(Messenger):
             msg["fn"] = msg["fn"].mask(False)
             return
         n = jnp.shape(self.mask)[0]
-        subsamples = getattr(self, "_subsamples", {})
+        subsamples = self._subsamples
         frame = next((f for f in msg["cond_indep_stack"]
                       if f.name in subsamples or (f.name == self.plate if self.plate is not None
                                                   else f.size == n)), None)
