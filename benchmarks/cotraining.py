@@ -26,7 +26,7 @@ from pathlib import Path
 
 import jax
 
-from fedppl.experiments import cotraining_study as study
+from fedppl_experiments import cotraining_study as study
 
 CCPP = Path(__file__).resolve().parents[2] / "shared" / "data" / "uci" / "power-plant"
 TABLES = [

@@ -3,7 +3,7 @@
 Reproduces the layout of Tables 1-2 and A.2-A.3 of the FedBNR paper: for each metric (RMSE,
 ECE, MCE, Brier, plus test log-likelihood) a table with one row per method and one column per
 number of clients, mean +- standard error over seeds. The protocol (8:1:1 split, paired sorted
-chunks, KD data = 80 % of validation) is :mod:`fedppl.experiments.fedbnr_uci`; the schedule is
+chunks, KD data = 80 % of validation) is :mod:`fedppl_experiments.fedbnr_uci`; the schedule is
 shorter than the paper's (see ``--rounds``/``--local-steps``) to fit a CPU budget.
 
 Run::
@@ -26,7 +26,7 @@ from pathlib import Path
 import jax
 import numpy as np
 
-from fedppl.experiments import fedbnr_uci
+from fedppl_experiments import fedbnr_uci
 
 ROWS = [("Central GP", "central"), ("local+local", "local+local"),
         ("local+global", "local+global"), ("avg+local", "avg+local"), ("kd+local", "kd+local"),

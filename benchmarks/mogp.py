@@ -50,7 +50,7 @@ def _rounds_cell(vals, rounds) -> str:
 def main() -> None:
     args = parse()
     jax.config.update("jax_enable_x64", True)
-    from fedppl.experiments import mogp_digits, mogp_synthetic
+    from fedppl_experiments import mogp_digits, mogp_synthetic
 
     t0 = time.perf_counter()
     syn = {m: [] for m in METHODS}

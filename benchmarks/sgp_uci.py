@@ -1,6 +1,6 @@
 """Federated sparse GPs on the eight UCI sets of the federated SGP paper, plus round timings.
 
-Part 1 (accuracy): every method of :mod:`fedppl.experiments.sgp_uci` (DPO, CPO, FedAvg-Z, fixed Z,
+Part 1 (accuracy): every method of :mod:`fedppl_experiments.sgp_uci` (DPO, CPO, FedAvg-Z, fixed Z,
 FSGP, global VI) on each dataset, K = 10 homogeneous clients, M = 100, M_k = min(0.8 N_k, 500),
 alpha = 0.1, Adam 1e-2; mean +- standard error of the test log-likelihood and RMSE (original
 units) over splits, rounds to convergence and seconds per round.
@@ -31,7 +31,7 @@ from pathlib import Path
 import jax
 import numpy as np
 
-from fedppl.experiments import sgp_uci
+from fedppl_experiments import sgp_uci
 
 UCI = Path(__file__).resolve().parents[2] / "shared" / "data" / "uci"
 DATASETS = ["bostonHousing", "concrete", "energy", "kin8nm", "naval-propulsion-plant",
@@ -70,8 +70,8 @@ def parse() -> argparse.Namespace:
 
 
 def configs(args: argparse.Namespace) -> dict:
-    from fedppl.fsgp import FSGPConfig
-    from fedppl.sgp import SGPConfig
+    from fedppl.infer.fedavg_gp import FSGPConfig
+    from fedppl.infer.sparse_gps import SGPConfig
 
     return {m: FSGPConfig(local_steps=args.local_steps) if m == "fsgp"
             else SGPConfig(local_steps=args.local_steps, inner_steps=args.local_steps)
@@ -124,7 +124,7 @@ def timing(clients: list[int], repeats: int, local_steps: int, inducing: int) ->
     client. Each client's step needs every other client's pseudo-points at its own (beta, Z)
     sample, so a round costs O(K * sum_k M_k * M^2) per local step: quadratic in K."""
     from fedppl import partition
-    from fedppl.sgp import SGPConfig, fit_sgp
+    from fedppl.infer.sparse_gps import SGPConfig, fit_sgp
 
     out = {}
     for k in clients:

@@ -10,11 +10,11 @@ Example::
 
 from fedppl import datasets, families, handlers, metrics, partition
 from fedppl.clients import Clients
-from fedppl.fedbnr import FedBNR
-from fedppl.fsgp import FSGPConfig, fit_fsgp
+from fedppl.infer.bayesian_regression import FedBNR
+from fedppl.infer.fedavg_gp import FSGPConfig, fit_fsgp
 from fedppl.guides import PVIGuide
-from fedppl.infer import PVI, GlobalVI, PVIResult
-from fedppl.sgp import SGPConfig, fit_sgp
+from fedppl.infer.variational import PVI, GlobalVI, PVIResult
+from fedppl.infer.sparse_gps import SGPConfig, fit_sgp
 
 __version__ = "0.1.0"
 

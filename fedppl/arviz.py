@@ -17,7 +17,7 @@ import numpy as np
 from fedppl.families import gaussian as g
 
 if TYPE_CHECKING:  # pragma: no cover
-    from fedppl.infer import PVIResult
+    from fedppl.infer.variational import PVIResult
 
 __all__ = ["to_inference_data"]
 

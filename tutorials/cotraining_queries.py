@@ -18,9 +18,9 @@ import matplotlib.pyplot as plt
 import numpy as np
 
 from fedppl.algorithms import cotraining as ct
-from fedppl.cotraining import run
-from fedppl.experiments import cotraining_data as data
-from fedppl.experiments.cotraining_study import parties_of
+from fedppl.infer.co_training import run
+from fedppl_experiments import cotraining_data as data
+from fedppl_experiments.cotraining_study import parties_of
 
 jax.config.update("jax_enable_x64", True)
 

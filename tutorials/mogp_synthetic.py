@@ -24,7 +24,7 @@ import matplotlib  # noqa: E402
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 
-from fedppl.experiments import mogp_synthetic as ms  # noqa: E402
+from fedppl_experiments import mogp_synthetic as ms  # noqa: E402
 
 FULL = "--full" in sys.argv
 settings = dict(seed=0, rounds=20 if FULL else 3, n_per_task=40 if FULL else 30,

@@ -29,8 +29,8 @@ matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 import numpy as np  # noqa: E402
 
-from fedppl.experiments.sgp_synthetic import TRUE_HYPER, five_partitions, inducing_drift  # noqa: E402
-from fedppl.sgp import SGPConfig, fit_sgp  # noqa: E402
+from fedppl_experiments.sgp_synthetic import TRUE_HYPER, five_partitions, inducing_drift  # noqa: E402
+from fedppl.infer.sparse_gps import SGPConfig, fit_sgp  # noqa: E402
 
 jax.config.update("jax_enable_x64", True)
 

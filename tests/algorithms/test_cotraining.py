@@ -4,7 +4,7 @@ import numpy as np
 import pytest
 
 from fedppl.algorithms import cotraining as ct
-from fedppl.cotraining import PartyData, run
+from fedppl.infer.co_training import PartyData, run
 from fedppl.models import gp
 
 

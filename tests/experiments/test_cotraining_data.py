@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 
 from fedppl.datasets import Standardiser, load_uci
-from fedppl.experiments.cotraining_data import (
+from fedppl_experiments.cotraining_data import (
     CCPP_VIEWS,
     TwoViewData,
     ccpp_split,

@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 
 from fedppl.cli import main
-from fedppl.experiments import cotraining_study as study
+from fedppl_experiments import cotraining_study as study
 
 
 @pytest.fixture(scope="module")

@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 
 from fedppl.cli import main
-from fedppl.experiments import fedbnr_uci
+from fedppl_experiments import fedbnr_uci
 from fedppl.models.random_features import URKSpec
 
 

@@ -3,7 +3,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from fedppl.experiments import mogp_digits as md
+from fedppl_experiments import mogp_digits as md
 
 
 def test_clients_have_paired_tasks_and_disjoint_images():

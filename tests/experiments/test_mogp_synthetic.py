@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from fedppl.experiments import mogp_synthetic as ms
+from fedppl_experiments import mogp_synthetic as ms
 
 SMALL = dict(seed=0, rounds=4, n_per_task=30, num_inducing=20)
 

@@ -3,7 +3,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from fedppl.experiments.sgp_synthetic import CENTRES, TRUE_HYPER, five_partitions, inducing_drift
+from fedppl_experiments.sgp_synthetic import CENTRES, TRUE_HYPER, five_partitions, inducing_drift
 
 
 def test_five_clusters_one_per_client():

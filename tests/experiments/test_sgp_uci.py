@@ -5,7 +5,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from fedppl.experiments import sgp_uci
+from fedppl_experiments import sgp_uci
 
 YACHT = Path(__file__).resolve().parents[3] / "shared" / "data" / "uci" / "yacht"
 needs_data = pytest.mark.skipif(not YACHT.is_dir(),
@@ -39,8 +39,8 @@ def test_prepare_standardises_training_part_and_keeps_test_in_original_units():
 
 @needs_data
 def test_short_runs_score_in_original_units():
-    from fedppl.fsgp import FSGPConfig
-    from fedppl.sgp import SGPConfig
+    from fedppl.infer.fedavg_gp import FSGPConfig
+    from fedppl.infer.sparse_gps import SGPConfig
 
     configs = {"dpo": SGPConfig(num_inducing=10, local_steps=20),
                "fsgp": FSGPConfig(num_inducing=10, local_steps=20)}

@@ -7,7 +7,7 @@ import pytest
 from fedppl import partition
 from fedppl.algorithms import fsgp as alg
 from fedppl.clients import Clients
-from fedppl.fsgp import FSGPConfig, fit_fsgp
+from fedppl.infer.fedavg_gp import FSGPConfig, fit_fsgp
 
 
 def _sine(n, seed):

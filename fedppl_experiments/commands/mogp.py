@@ -54,7 +54,7 @@ def run(args: argparse.Namespace) -> dict:
     for m in methods:
         bar.set_postfix_str(m)
         if args.study == "synthetic":
-            from fedppl.experiments import mogp_synthetic as study
+            from fedppl_experiments import mogp_synthetic as study
 
             res = study.run(m, seed=args.seed, rounds=args.rounds,
                             num_clients=args.clients or 5)
@@ -62,7 +62,7 @@ def run(args: argparse.Namespace) -> dict:
             keep = ("cls_rmse", "cls_var", "reg_rmse", "reg_var", "rounds_to_converge",
                     "seconds_per_round", "elbo_per_obs")
         else:
-            from fedppl.experiments import mogp_digits as study
+            from fedppl_experiments import mogp_digits as study
 
             res = study.run(m, shots=args.shots, num_clients=args.clients, rounds=args.rounds,
                             seed=args.seed, variant=args.variant or "network",

@@ -25,7 +25,7 @@ import optax
 from fedppl import metrics, partition
 from fedppl.clients import Clients
 from fedppl.datasets import Standardiser, load_uci, train_test_val_split
-from fedppl.fedbnr import FedBNR, FedBNRFit
+from fedppl.infer.bayesian_regression import FedBNR, FedBNRFit
 from fedppl.models.random_features import URKSpec
 
 __all__ = ["VARIANTS", "Prepared", "prepare", "evaluate", "run"]

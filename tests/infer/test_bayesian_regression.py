@@ -6,7 +6,7 @@ import pytest
 
 import fedppl
 from fedppl.algorithms import exact
-from fedppl.fedbnr import FedBNR
+from fedppl.infer.bayesian_regression import FedBNR
 from fedppl.models.random_features import URKSpec
 
 SPEC = URKSpec(1, feature_widths=(), shift_widths=(), num_samples=40)

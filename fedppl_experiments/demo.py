@@ -23,7 +23,7 @@ import numpy as np
 from fedppl import partition
 from fedppl.families import gaussian as g
 from fedppl.guides import PVIGuide
-from fedppl.infer import PVI, GlobalVI, PVIResult
+from fedppl.infer.variational import PVI, GlobalVI, PVIResult
 from fedppl.models import logistic_regression
 
 __all__ = ["run_demo", "load_breast_cancer"]

@@ -5,7 +5,7 @@ import json
 
 import pytest
 
-from fedppl.commands import mogp as cmd
+from fedppl_experiments.commands import mogp as cmd
 
 
 def _parse(argv):

@@ -37,8 +37,8 @@ def register(sub: argparse._SubParsersAction) -> None:
 
 def configs(args: argparse.Namespace, methods: list[str]) -> dict:
     """The per-method configurations the flags describe."""
-    from fedppl.fsgp import FSGPConfig
-    from fedppl.sgp import SGPConfig
+    from fedppl.infer.fedavg_gp import FSGPConfig
+    from fedppl.infer.sparse_gps import SGPConfig
 
     out = {}
     for m in methods:
@@ -53,7 +53,7 @@ def configs(args: argparse.Namespace, methods: list[str]) -> dict:
 def run(args: argparse.Namespace) -> None:
     import jax
 
-    from fedppl.experiments import sgp_uci
+    from fedppl_experiments import sgp_uci
 
     jax.config.update("jax_enable_x64", True)
     methods = list(sgp_uci.METHODS) if args.method == ["all"] else args.method

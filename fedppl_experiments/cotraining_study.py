@@ -1,8 +1,8 @@
 """The co-training study of thesis Ch. 4: a factorial grid of runs and its stratified tables.
 
 Each run co-trains two parties for ``rounds`` rounds on simulated two-view data
-(:func:`fedppl.experiments.cotraining_data.simulate_two_views`) or on CCPP split into two views
-(:func:`~fedppl.experiments.cotraining_data.ccpp_two_views`) and records both parties' test RMSE
+(:func:`fedppl_experiments.cotraining_data.simulate_two_views`) or on CCPP split into two views
+(:func:`~fedppl_experiments.cotraining_data.ccpp_two_views`) and records both parties' test RMSE
 before and after. Tables 4.3-4.15 of the thesis are means and standard deviations of those RMSEs
 stratified by some of the factors (combination, uncertainty integration, masking, n_obs, DP,
 r, conditional independence); :func:`stratified_table` makes any of them.
@@ -23,8 +23,8 @@ from typing import Iterable, NamedTuple, Sequence
 import numpy as np
 
 from fedppl.algorithms import cotraining as ct
-from fedppl.cotraining import PartyData, run
-from fedppl.experiments import cotraining_data as data
+from fedppl.infer.co_training import PartyData, run
+from fedppl_experiments import cotraining_data as data
 
 __all__ = ["Config", "DEFAULT_DP", "parties_of", "run_one", "grid", "stratified_table"]
 

@@ -62,13 +62,13 @@ def fit_one(method: str, prep: Prepared, num_rounds: int, config: Any = None, se
     key = jax.random.key(seed)
     start = time.perf_counter()
     if method == "fsgp":
-        from fedppl.fsgp import FSGPConfig, fit_fsgp
+        from fedppl.infer.fedavg_gp import FSGPConfig, fit_fsgp
 
         result = fit_fsgp(prep.clients, num_rounds, config or FSGPConfig(), key=key,
                           callback=callback)
         monitored = "bound"
     elif method in METHODS:
-        from fedppl.sgp import SGPConfig, fit_sgp
+        from fedppl.infer.sparse_gps import SGPConfig, fit_sgp
 
         result = fit_sgp(method, prep.clients, num_rounds, config or SGPConfig(), key=key,
                          callback=callback)

@@ -9,7 +9,7 @@ import pytest
 from fedppl import partition
 from fedppl.clients import Clients
 from fedppl.models import gp
-from fedppl.sgp import SGPConfig, fit_sgp, rounds_to_convergence
+from fedppl.infer.sparse_gps import SGPConfig, fit_sgp, rounds_to_convergence
 
 HYP = {"lengthscale": 0.6, "variance": 1.3, "noise": 0.2}
 

@@ -1,0 +1,7 @@
+"""The experiment subcommands of the ``fedppl`` command line (``register`` + ``run`` each)."""
+
+from fedppl_experiments.commands import cotrain, demo, fedbnr, mogp, sgp
+
+COMMANDS = {"demo": demo, "fedbnr": fedbnr, "cotrain": cotrain, "sgp": sgp, "mogp": mogp}
+
+__all__ = ["COMMANDS"]
