@@ -39,6 +39,7 @@ from jax import Array
 
 from fedppl.algorithms import conjugate
 from fedppl.algorithms.natural_gradient import LocalResult, NaturalGradientSolver, log_lik_fn
+from fedppl.algorithms.trio import Trio
 from fedppl.families import gaussian as g
 from fedppl.guides.pvi_guide import PVIGuide
 from fedppl.handlers.client import client
@@ -46,7 +47,7 @@ from fedppl.handlers.client import client
 __all__ = [
     "ServerState", "ClientState", "ClientMessage", "prior_update", "LocalSolver", "LocalResult", "NaturalGradientSolver",
     "VariationalSolver", "ConjugateSolver",
-    "init", "client_update", "server_update", "acknowledge",
+    "init", "client_update", "server_update", "acknowledge", "make_trio",
 ]
 
 STEP_SIZES = tuple(2.0**-i for i in range(11))
@@ -255,3 +256,75 @@ def acknowledge(states: ClientState, messages: ClientMessage, steps: Array,
             lambda new, old: jnp.where(steps.reshape(steps.shape + (1,) * (new.ndim - 1)) > 0,
                                        new, old), proposed.local, local)
     return ClientState(factor, local)
+
+
+def make_trio(solver: LocalSolver, damping: float, prior: g.Gaussian, *,
+              prior_solver: LocalSolver | None = None, line_search: bool = False,
+              schedule: str = "synchronous") -> Trio:
+    """PVI as a :class:`~fedppl.algorithms.trio.Trio` on (:class:`ServerState`,
+    :class:`ClientState`, :class:`ClientMessage`); the reply to a client is the step its delta
+    was applied with.
+
+    ``line_search`` (for a solver with ``expected_log_lik``) makes the server of a synchronous
+    round score candidate ``q`` on every client's data (the runtime's ``evaluate``) against
+    ``KL(q || prior)``. ``prior_solver`` (a prior that is not Gaussian) makes the server refine
+    its prior factor ``t_0`` every round: first in a ``"sequential"`` round, alongside the clients
+    (one more message, inside the line search) in the others.
+    """
+
+    def client(server: ServerState, cstate: ClientState, data, mask, rng_key, index):
+        return client_update(server.q, cstate, data, mask, rng_key, solver, damping)
+
+    def score_with(evaluate):
+        if evaluate is None:
+            return None
+
+        def score(q):
+            ell = evaluate(q)
+            if prior_solver is not None:
+                ell = jnp.concatenate([ell, prior_solver.expected_log_lik(q)[None]])
+            return ell, g.kl(q, prior)
+
+        return score
+
+    def server(state: ServerState, msgs: ClientMessage, index, received, rng_key, evaluate):
+        score = score_with(evaluate)
+        if prior_solver is None or schedule == "sequential":
+            return server_update(state, msgs, received, score)
+        pmsg, _ = prior_update(state, prior_solver, damping, rng_key)
+        both = jax.tree_util.tree_map(lambda a, b: jnp.concatenate([a, b[None]]), msgs, pmsg)
+        state, steps = server_update(state, both, jnp.append(received, True), score)
+        return _acknowledge_prior(state, pmsg, steps[-1]), steps[:-1]
+
+    def begin(state: ServerState, rng_key):
+        pmsg, _ = prior_update(state, prior_solver, damping, rng_key)
+        new, s = server_update(state, _one(pmsg), jnp.ones(1, bool))
+        return _acknowledge_prior(state._replace(q=new.q), pmsg, s[0])
+
+    def ack(cstate: ClientState, msg: ClientMessage, step, proposed: ClientState):
+        return _first(acknowledge(_one(cstate), _one(msg), step[None], _one(proposed)))
+
+    evaluate = None
+    if line_search and hasattr(solver, "expected_log_lik"):
+
+        def evaluate(q, cstate: ClientState, data, mask):
+            if cstate.local is None:
+                return solver.expected_log_lik(q, data, mask)
+            return solver.expected_log_lik(q, data, mask, cstate.local)
+
+    sequential_prior = prior_solver is not None and schedule == "sequential"
+    return Trio(client, server, ack, evaluate, begin if sequential_prior else None)
+
+
+def _acknowledge_prior(state: ServerState, msg: ClientMessage, step: Array) -> ServerState:
+    """The server applies its own prior-factor delta with the step it accepted."""
+    t0 = acknowledge(_one(ClientState(state.prior_factor)), _one(msg), step[None])
+    return state._replace(prior_factor=_first(t0).factor)
+
+
+def _one(tree):
+    return jax.tree_util.tree_map(lambda x: x[None], tree)
+
+
+def _first(tree):
+    return jax.tree_util.tree_map(lambda x: x[0], tree)

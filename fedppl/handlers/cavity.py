@@ -11,6 +11,13 @@ site the handler uses its conditional given the sites already sampled (for a mea
 is the marginal), so the site terms add up to the joint log density ``log q_cavity(theta)``. Sites
 are mapped to their support with the same bijections the guide uses, so Jacobians cancel.
 
+A global site that has a value (``numpyro.handlers.condition``, in either nesting, or
+``substitute``) keeps the cavity's density there, so the sites left latent see the cavity's
+conditional given it. A global site the handler never sees (``block(hide=...)`` inside it) is
+marginalised out: the other sites' terms add up to the cavity's marginal over them. Each site is
+conditioned on the sites seen before it, in whatever order the model samples them. Masks put
+on a site inside the handler (``numpyro.handlers.mask``) stay on the cavity's distribution.
+
 Example::
 
     >>> from numpyro.infer import Trace_ELBO
@@ -71,13 +78,8 @@ class cavity(Messenger):
         if isinstance(self.q_cavity, DiagGaussian):
             base = dist.Normal(mean[a:b], sc[a:b]).to_event(1)
         else:
-            cond_mean = mean[a:b]
-            if a > 0:
-                prev = self._previous(a)
-                eps = jsl.solve_triangular(sc[:a, :a], prev - mean[:a], lower=True)
-                cond_mean = cond_mean + sc[a:b, :a] @ eps
-            base = dist.MultivariateNormal(cond_mean, scale_tril=sc[a:b, a:b])
-        msg["fn"] = transformed(base, site)
+            base = self._conditional(mean, sc, site)
+        msg["fn"] = _with_masks(msg["fn"], transformed(base, site))
 
     def postprocess_message(self, msg):
         if self._is_global(msg) and self._run is not None:
@@ -85,21 +87,29 @@ class cavity(Messenger):
             self._run["theta"][site.name] = jnp.reshape(site.transform.inv(msg["value"]), (-1,))
 
     def _is_global(self, msg) -> bool:
-        return (
-            msg["type"] == "sample"
-            and not msg["is_observed"]
-            and msg["name"] in self.layout.names
-        )
+        # observed or not: a global site given a value by `condition` keeps the cavity's density
+        return msg["type"] == "sample" and msg["name"] in self.layout.names
 
-    def _previous(self, start: int):
-        parts = []
-        for s in self.layout.sites:
-            if s.start >= start:
-                break
-            if s.name not in self._run["theta"]:
-                raise RuntimeError(
-                    f"global site '{s.name}' was not sampled before later global sites; the "
-                    "model must sample its global sites in the same order on every call"
-                )
-            parts.append(self._run["theta"][s.name])
-        return jnp.concatenate(parts)
+    def _conditional(self, mean, sc, site) -> dist.Distribution:
+        """The full-rank cavity at ``site`` given the global sites seen so far in this call."""
+        seen = sorted((self.layout[n] for n in self._run["theta"]), key=lambda s: s.start)
+        idx = [i for s in [*seen, site] for i in range(s.start, s.start + s.size)]
+        p = len(idx) - site.size
+        if idx == list(range(len(idx))):  # the sites before it in the layout: slice the factor
+            chol = sc[: len(idx), : len(idx)]
+        else:  # a gap (a site hidden from the handler, or sampled later): marginalise it out
+            rows = sc[jnp.asarray(idx)]
+            chol = jnp.linalg.cholesky(rows @ rows.T)
+        loc = mean[site.start: site.start + site.size]
+        if p > 0:
+            prev = jnp.concatenate([self._run["theta"][s.name] for s in seen])
+            eps = jsl.solve_triangular(chol[:p, :p], prev - mean[jnp.asarray(idx[:p])], lower=True)
+            loc = loc + chol[p:, :p] @ eps
+        return dist.MultivariateNormal(loc, scale_tril=chol[p:, p:])
+
+
+def _with_masks(prior: dist.Distribution, fn: dist.Distribution) -> dist.Distribution:
+    """``fn`` under the masks around ``prior`` (``numpyro.handlers.mask`` inside the handler)."""
+    while isinstance(prior, dist.MaskedDistribution):
+        fn, prior = fn.mask(prior._mask), prior.base_dist
+    return fn

@@ -8,7 +8,8 @@ the client's ``num_data`` points (scale ``num_data / batch``). A data plate that
 scales the batch by ``N / b``. Given ``draw`` (the index of one of a local step's Monte Carlo
 draws), the handler picks that minibatch itself: consecutive slices of one fixed permutation, so
 that the step's draws together see every row about equally often. A ``numpyro.factor`` in no plate is a term of the prior, which the
-server counts once (:func:`fedppl.sites.prior_correction`), so clients drop it.
+server counts once (:func:`fedppl.sites.prior_correction`), so clients drop it. A site observed
+through ``numpyro.handlers.condition`` is masked like one with ``obs=``, in either nesting.
 
 Example::
 
@@ -24,6 +25,7 @@ import jax.numpy as jnp
 from jax import Array
 from numpyro.primitives import Messenger
 
+from fedppl.handlers._observed import observation
 from fedppl.sites import is_prior_factor
 
 __all__ = ["client"]
@@ -86,7 +88,7 @@ class client(Messenger):
                 and self._is_data_plate(msg["name"], msg["args"][0])):
             self._balanced(msg)
             return
-        if msg["type"] != "sample" or not msg["is_observed"]:
+        if msg["type"] != "sample" or not observation(self, msg)[0]:  # obs= or `condition`
             return
         if is_prior_factor(msg):  # a factor in no plate is the prior's, counted by the server
             msg["fn"] = msg["fn"].mask(False)

@@ -12,6 +12,10 @@ ELBO of the augmented model is this term minus ``KL[q(omega) || PG(1, 0)]``
 (:func:`fedppl.families.polya_gamma.kl_to_prior`), which does not depend on ``f``. Without
 ``omega`` the prior mean ``E[omega] = 1/4`` is used: Bohning's fixed quadratic lower bound.
 
+A site is observed through ``obs=`` or through ``numpyro.handlers.condition`` in either nesting
+(``condition(polya_gamma(model), {"y": y})`` rewrites ``y`` just as ``polya_gamma(condition(...))``
+does); a Bernoulli site observed by another handler outside this one raises ``ValueError``.
+
 Labels must be in {0, 1} (NumPyro's Bernoulli encoding; map {-1, 1} labels with ``(y + 1) / 2``).
 Labels outside {0, 1}, or non-finite logits, raise a ``ValueError`` naming the site when the values
 are concrete (under ``jit`` they cannot be inspected: validate first, as ``fedppl.PVI`` does).
@@ -38,6 +42,8 @@ import numpyro.distributions as dist
 from jax import Array
 from numpyro.distributions import constraints
 from numpyro.primitives import Messenger
+
+from fedppl.handlers._observed import observation
 
 __all__ = ["polya_gamma", "PolyaGammaBernoulli"]
 
@@ -97,12 +103,12 @@ class polya_gamma(Messenger):
         named = self.sites is not None and msg["name"] in self.sites
         wrappers, base, keep = _unwrap(msg["fn"])
         is_bernoulli = isinstance(base, (dist.BernoulliLogits, dist.BernoulliProbs))
-        if named and not (msg["is_observed"] and is_bernoulli):
+        observed, value = observation(self, msg)  # also when an enclosing `condition` observes it
+        if named and not (observed and is_bernoulli):
             raise ValueError(f"polya_gamma: site '{msg['name']}' is not an observed Bernoulli "
                              f"site (it is {type(base).__name__})")
-        if not (msg["is_observed"] and is_bernoulli) or (self.sites is not None and not named):
+        if not (observed and is_bernoulli) or (self.sites is not None and not named):
             return
-        value = msg["value"]
         shape = jnp.shape(value)
         logits = jnp.broadcast_to(base.logits, shape)
         omega = jnp.broadcast_to(self._omega_for(msg["name"], logits.dtype), shape)
@@ -114,6 +120,15 @@ class polya_gamma(Messenger):
         kappa = jnp.asarray(value, logits.dtype) - 0.5
         msg["infer"] = {**msg["infer"],
                         "polya_gamma": {"logits": logits, "kappa": kappa, "omega": omega}}
+
+    def postprocess_message(self, msg):
+        # a Bernoulli site observed by a handler that `observation` cannot foresee
+        if (msg["type"] == "sample" and msg["is_observed"] and "polya_gamma" not in msg["infer"]
+                and (self.sites is None or msg["name"] in self.sites)
+                and isinstance(_unwrap(msg["fn"])[1], (dist.BernoulliLogits, dist.BernoulliProbs))):
+            raise ValueError(f"polya_gamma: site '{msg['name']}' was observed by a handler "
+                             "enclosing polya_gamma after polya_gamma saw it as latent; apply "
+                             "polya_gamma outside that handler")
 
     def _omega_for(self, name: str, dtype) -> Array:
         if self.omega is None:

@@ -4,7 +4,8 @@ The KL between guide and prior at a site is ``E_q[log q - log p]``; it appears i
 the model's prior term and the guide's entropy term. Wrap *both* the model and the guide, and each
 of the named latent sites contributes ``alpha * (log p - log q)``: the HVM's alpha-scaled
 ``KL[q(Z) || q_cavity(Z)]`` (Sec. 4 of the federated sparse GP paper). Observed sites and other
-sites are untouched.
+sites are untouched; a named site observed by ``numpyro.handlers.condition`` (in either nesting)
+is observed, so it is not scaled.
 
 The guide must sample each named site directly (``numpyro.sample("Z", dist.Normal(...))``). A
 guide that draws it through an auxiliary site (as AutoContinuous and ``PVIGuide`` do, with a
@@ -21,6 +22,8 @@ from __future__ import annotations
 from typing import Iterable
 
 from numpyro.primitives import Messenger
+
+from fedppl.handlers._observed import observation
 
 __all__ = ["tempered"]
 
@@ -43,5 +46,6 @@ class tempered(Messenger):
         super().__init__(fn)
 
     def process_message(self, msg):
-        if msg["type"] == "sample" and not msg["is_observed"] and msg["name"] in self.sites:
+        if (msg["type"] == "sample" and msg["name"] in self.sites
+                and not observation(self, msg)[0]):  # a site `condition` observes is not latent
             msg["scale"] = self.alpha if msg["scale"] is None else self.alpha * msg["scale"]

@@ -31,7 +31,7 @@ from fedppl.clients import Clients
 from fedppl.families import gaussian as g
 from fedppl.guides.pvi_guide import PVIGuide
 from fedppl.handlers.client import client
-from fedppl.runtime.embedded import make_round
+from fedppl.infer.base import FederatedMethod, Result, RunState, check_rounds
 from fedppl.sites import curvature
 
 __all__ = ["PVI", "GlobalVI", "PVIResult"]
@@ -39,8 +39,8 @@ __all__ = ["PVI", "GlobalVI", "PVIResult"]
 SOLVERS = ("natural-gradient", "optax")
 
 
-@dataclass
-class PVIResult:
+@dataclass(kw_only=True)
+class PVIResult(Result):
     """The outcome of a run: the posterior ``q``, the client factors and per-round history.
 
     ``history`` maps to arrays with one row per round: ``free_energy`` (rounds, K) local free
@@ -55,9 +55,6 @@ class PVIResult:
     guide: PVIGuide
     q: g.Gaussian
     factors: g.Gaussian
-    history: dict[str, np.ndarray]
-    rejected: list[tuple[int, str, str]] = field(default_factory=list)
-    client_names: tuple[str, ...] = ()
     unconverged: list[tuple[int, str]] = field(default_factory=list)
     local: g.Conditional | None = None  # the clients' private guides, stacked (local sites)
     prior_factor: g.Gaussian | None = None  # the server's t_0 (non-Gaussian priors)
@@ -114,7 +111,7 @@ class PVIResult:
         return to_inference_data(self, rng_key, num_samples)
 
 
-class PVI:
+class PVI(FederatedMethod):
     """Partitioned variational inference over the global sites of a NumPyro model.
 
     :param model: an ordinary NumPyro model, called as ``model(*client_arrays, **model_kwargs)``
@@ -158,6 +155,8 @@ class PVI:
         when, in any round after the run's first, a marginal sd of q, or the geometric mean of
         its sds (q's entropy per dimension), falls by more than this factor.
     """
+
+    name = "PVI"
 
     def __init__(self, model: Callable, guide: PVIGuide, schedule: str = "sequential",
                  damping: float = 1.0, *, solver: str = "natural-gradient",
@@ -204,7 +203,7 @@ class PVI:
         self.clients_per_round = clients_per_round
         self.shrink_warning = float(shrink_warning)
         self.line_search = bool(line_search)
-        self._compiled: dict = {}  # round and ELBO functions, reused by later runs
+        self._compiled: dict = {}  # trio and ELBO function per solver, reused by later runs
         self._pooled = False  # GlobalVI: one client, the prior correction in its likelihood
 
     # -- set-up --------------------------------------------------------------------------------
@@ -266,24 +265,10 @@ class PVI:
         return jax.tree_util.tree_map(lambda x: jnp.broadcast_to(x, (num_clients,) + x.shape),
                                       zero)
 
-    # -- running -------------------------------------------------------------------------------
+    # -- the front's hooks ---------------------------------------------------------------------
 
-    def run(self, rng_key: Array, clients: Clients, num_rounds: int, progress_bar: bool = True,
-            factors: g.Gaussian | None = None, tol: float | None = None, *,
-            resume: PVIResult | None = None, **model_kwargs: Any) -> PVIResult:
-        """Run up to ``num_rounds`` rounds of PVI; ``factors`` resumes from earlier client factors
-        (``resume`` from an earlier result: its factors, prior factor and local guides).
-
-        ``tol`` stops early, after the first round in which q moved by ``KL(q_new || q_old) <=
-        tol`` (the ``kl_change`` history entry). Other keyword arguments are the model's own
-        static keyword arguments (``n_groups=...``), passed to every call of the model.
-        """
-        if not isinstance(clients, Clients):
-            raise TypeError("clients must be a fedppl.Clients (see fedppl.partition)")
-        if num_rounds < 1:
-            raise ValueError(f"num_rounds must be positive, got {num_rounds}")
-        if tol is not None and not tol > 0:
-            raise ValueError(f"tol must be positive, got {tol}")
+    def _setup(self, rng_key: Array, clients: Clients, factors: g.Gaussian | None = None,
+               resume: PVIResult | None = None, **model_kwargs: Any):
         model = partial(self.model, **model_kwargs) if model_kwargs else self.model
         solver, prior_solver = self._solver(clients, model, model_kwargs)
         K = clients.num_clients
@@ -294,82 +279,48 @@ class PVI:
         if prior_solver is not None:
             t0 = (resume.prior_factor if resume is not None and resume.prior_factor is not None
                   else g.zeros_like(self.guide.prior))
-        state = pvi.init(self.guide.prior, factors, t0)
+        server = pvi.init(self.guide.prior, factors, t0)
         local = self.guide.init_local()
         if local is not None:
             local = (resume.local if resume is not None and resume.local is not None else
                      jax.tree_util.tree_map(lambda x: jnp.broadcast_to(x, (K,) + x.shape), local))
-        cstates = pvi.ClientState(factors, local)
-        data, masks = clients.stacked, clients.mask
-        cache_key = (solver, prior_solver)
-        if cache_key not in self._compiled:
-            self._compiled[cache_key] = (
-                make_round(solver, self.damping, self.schedule, self._line_search_score(solver),
-                           prior_solver),
-                self._elbo_fn(solver, model, prior_solver) if self.elbo_samples > 0 else None)
-        round_fn, elbo_fn = self._compiled[cache_key]
-        down = g.num_bytes(state.q)
-        up = g.num_bytes(jax.tree_util.tree_map(lambda x: x[0], factors))
-        hist: dict[str, list] = {k: [] for k in HISTORY}
-        log = _RoundLog(clients.names, self.shrink_warning)
-        bar = tqdm(range(num_rounds), desc=f"PVI ({self.schedule})", disable=not progress_bar,
-                   leave=False)
-        for r in bar:
-            rng_key, k_round, k_elbo, k_pick = jax.random.split(rng_key, 4)
-            active = self._participants(k_pick, K)
-            t0 = time.perf_counter()
-            q_old = state.q
-            state, cstates, msgs, steps = round_fn(state, cstates, data, masks, k_round, active)
-            jax.block_until_ready(state.q)
-            hist["seconds"].append(time.perf_counter() - t0)
-            active = np.asarray(active)
-            change = float(_kl_change(state.q, q_old))
-            log.report(r, np.asarray(steps), msgs, active, q_old, state.q)
-            hist["kl_change"].append(change)
-            hist["free_energy"].append(np.where(active, np.asarray(msgs.free_energy), np.nan))
-            hist["converged"].append(np.where(active, np.asarray(msgs.converged, float), np.nan))
-            hist["local_iterations"].append(np.where(active, np.asarray(msgs.iterations, float),
-                                                     np.nan))
-            n = int(active.sum())
-            hist["messages_up"].append(n)
-            hist["messages_down"].append(n)
-            hist["bytes_up"].append(n * up)
-            hist["bytes_down"].append(n * down)
-            elbo = (float(elbo_fn(state, cstates, data, masks, k_elbo)) if elbo_fn
-                    else np.nan)
-            hist["elbo"].append(elbo)
-            bar.set_postfix(elbo=f"{elbo:.4g}", kl_change=f"{change:.2g}")
-            if tol is not None and change <= tol:
-                break
-        return PVIResult(self.guide, state.q, cstates.factor,
-                         {k: np.asarray(v) for k, v in hist.items()}, log.rejected, clients.names,
-                         log.unconverged, cstates.local, state.prior_factor, model)
+        key = (solver, prior_solver)
+        if key not in self._compiled:
+            trio = pvi.make_trio(solver, self.damping, self.guide.prior,
+                                 prior_solver=prior_solver, line_search=self.line_search,
+                                 schedule=self.schedule)
+            elbo = self._elbo_fn(solver, model, prior_solver) if self.elbo_samples > 0 else None
+            self._compiled[key] = (trio, elbo)
+        trio, self._elbo = self._compiled[key]
+        self._model_as_run = model
+        self._log = _RoundLog(clients.names, self.shrink_warning)
+        return trio, self.schedule, server, pvi.ClientState(factors, local)
 
-    def _participants(self, key: Array, num_clients: int) -> Array:
-        """Booleans marking this round's clients (all, or a random ``clients_per_round``)."""
-        m = self.clients_per_round
-        if m is None or m >= num_clients:
-            return jnp.ones(num_clients, bool)
-        chosen = jax.random.permutation(key, num_clients)[:m]
-        return jnp.zeros(num_clients, bool).at[chosen].set(True)
+    def _message_bytes(self, msgs: pvi.ClientMessage) -> int:
+        return g.num_bytes(jax.tree_util.tree_map(lambda x: x[0], msgs.delta))
 
-    def _line_search_score(self, solver: pvi.LocalSolver):
-        """``(q, data, masks, clients) -> (per-client E_q[log p(y_k | theta)], KL(q || p~))``
-        (with the natural-gradient solver's fixed draws, or in closed form for the conjugate
-        one) for the server's line search, else None."""
-        if not self.line_search or not hasattr(solver, "expected_log_lik"):
-            return None
-        prior = self.guide.prior
+    def _broadcast_bytes(self, server: pvi.ServerState) -> int:
+        return g.num_bytes(server.q)
 
-        def score(q, data, masks, clients):
-            if clients.local is None:
-                ell = jax.vmap(solver.expected_log_lik, (None, 0, 0))(q, data, masks)
-            else:
-                ell = jax.vmap(solver.expected_log_lik, (None, 0, 0, 0))(q, data, masks,
-                                                                        clients.local)
-            return ell, g.kl(q, prior)
+    def _refused(self, replies: Array, active: np.ndarray) -> np.ndarray:
+        return np.asarray(replies) == 0
 
-        return score
+    def _record(self, before, after, msgs, steps, active, rng_key) -> dict[str, Any]:
+        q_old, q_new = before.server.q, after.server.q
+        self._log.report(after.round - 1, np.asarray(steps), msgs, active, q_old, q_new)
+        row = {"free_energy": np.where(active, np.asarray(msgs.free_energy), np.nan),
+               "converged": np.where(active, np.asarray(msgs.converged, float), np.nan),
+               "local_iterations": np.where(active, np.asarray(msgs.iterations, float), np.nan),
+               "kl_change": float(_kl_change(q_new, q_old))}
+        row["elbo"] = (float(self._elbo(after.server, after.clients, after.data, after.masks,
+                                        rng_key)) if self._elbo is not None else np.nan)
+        return row
+
+    def _result(self, state, history, rejected) -> PVIResult:
+        return PVIResult(guide=self.guide, q=state.server.q, factors=state.clients.factor,
+                         history=history, rejected=self._log.rejected, client_names=self._names,
+                         unconverged=self._log.unconverged, local=state.clients.local,
+                         prior_factor=state.server.prior_factor, model=self._model_as_run)
 
     def _elbo_fn(self, solver: pvi.LocalSolver, model: Callable,
                  prior_solver: pvi.LocalSolver | None):
@@ -408,6 +359,32 @@ class PVI:
 
         return elbo
 
+    # -- running -------------------------------------------------------------------------------
+
+    def init(self, rng_key: Array, clients: Clients, factors: g.Gaussian | None = None, *,
+             resume: PVIResult | None = None, **model_kwargs: Any) -> RunState:
+        """Set up the run: the local solver, the initial factors (``factors`` or ``resume``'s, else
+        flat) and the clients' private guides. Keyword arguments are the model's own static
+        keyword arguments (``n_groups=...``)."""
+        state = super().init(rng_key, clients, factors=factors, resume=resume, **model_kwargs)
+        return state._replace(rng_key=rng_key)  # PVI's set-up draws nothing: rounds use the key
+
+    def run(self, rng_key: Array, clients: Clients, num_rounds: int, *, progress_bar: bool = True,
+            factors: g.Gaussian | None = None, tol: float | None = None,
+            resume: PVIResult | None = None, **model_kwargs: Any) -> PVIResult:
+        """Run up to ``num_rounds`` rounds of PVI; ``factors`` resumes from earlier client factors
+        (``resume`` from an earlier result: its factors, prior factor and local guides).
+
+        ``tol`` stops early, after the first round in which q moved by ``KL(q_new || q_old) <=
+        tol`` (the ``kl_change`` history entry). Other keyword arguments are the model's own
+        static keyword arguments (``n_groups=...``), passed to every call of the model.
+        """
+        num_rounds = check_rounds(num_rounds)
+        if tol is not None and not tol > 0:
+            raise ValueError(f"tol must be positive, got {tol}")
+        state = self.init(rng_key, clients, factors, resume=resume, **model_kwargs)
+        stop = None if tol is None else (lambda info: info["kl_change"] <= tol)
+        return self._loop(state, num_rounds, progress_bar, stop)
 
 def _check_local_shapes(guide: PVIGuide, clients: Clients, model_kwargs: dict) -> None:
     """Every client's model must give each local site the shape of the padded prototype."""
@@ -429,10 +406,6 @@ def _check_local_shapes(guide: PVIGuide, clients: Clients, model_kwargs: dict) -
                     "the model the number of groups as a static keyword argument (the largest "
                     "over clients; groups without data keep their prior)"
                 )
-
-
-HISTORY = ("free_energy", "elbo", "kl_change", "converged", "local_iterations", "messages_up",
-           "messages_down", "bytes_up", "bytes_down", "seconds")
 
 
 @jax.jit
@@ -514,31 +487,39 @@ def _warn(message: str) -> None:
     warnings.warn(message, RuntimeWarning, stacklevel=4)
 
 
-class GlobalVI:
+class GlobalVI(PVI):
     """The same guide family fitted to the pooled data: the answer PVI converges to.
 
-    Implemented as PVI with one client holding all the data (its cavity is the prior's Gaussian
-    base, and a prior correction, if any, is part of its likelihood, so its local free energy is
-    the global ELBO), with the same local solver. With the default natural-gradient
-    solver and the same ``num_particles``, PVI's fixed point is exactly this one (the same fixed
-    draws; see :mod:`fedppl.algorithms.natural_gradient`). ``run`` accepts :class:`Clients`
-    (pooled first) or the model's arrays as a tuple.
+    PVI with one client holding all the data (its cavity is the prior's Gaussian base, and a
+    prior correction, if any, is part of its likelihood, so its local free energy is the global
+    ELBO), with the same local solver. With the default natural-gradient solver and the same
+    ``num_particles``, PVI's fixed point is exactly this one (the same fixed draws; see
+    :mod:`fedppl.algorithms.natural_gradient`). ``init`` and ``run`` pool the :class:`Clients`
+    (or take the model's arrays as a tuple); one round solves the pooled problem to ``tol``, so
+    ``num_rounds`` defaults to 1.
 
     :param num_steps: the solver's cap (natural-gradient iterations, or optax steps).
     """
+
+    name = "GlobalVI"
 
     def __init__(self, model: Callable, guide: PVIGuide,
                  optimizer: optax.GradientTransformation | None = None, num_steps: int = 2000,
                  num_particles: int | None = None, conjugate: bool | str = "auto",
                  elbo_samples: int = 64, solver: str = "natural-gradient",
                  tol: float | None = None):
-        self._pvi = PVI(model, guide, "sequential", 1.0, solver=solver, optimizer=optimizer,
-                        local_steps=num_steps, num_particles=num_particles, local_tol=tol,
-                        conjugate=conjugate, elbo_samples=elbo_samples)
-        self._pvi._pooled = True
+        super().__init__(model, guide, "sequential", 1.0, solver=solver, optimizer=optimizer,
+                         local_steps=num_steps, num_particles=num_particles, local_tol=tol,
+                         conjugate=conjugate, elbo_samples=elbo_samples)
+        self._pooled = True
 
-    def run(self, rng_key: Array, data: Clients | tuple, progress_bar: bool = False,
-            **model_kwargs: Any) -> PVIResult:
-        """Fit the pooled data (``model_kwargs`` are the model's static keyword arguments)."""
-        pooled = data.pooled() if isinstance(data, Clients) else Clients.from_list([data])
-        return self._pvi.run(rng_key, pooled, 1, progress_bar=progress_bar, **model_kwargs)
+    def init(self, rng_key: Array, clients: Clients | tuple, factors: g.Gaussian | None = None,
+             *, resume: PVIResult | None = None, **model_kwargs: Any) -> RunState:
+        pooled = (clients.pooled() if isinstance(clients, Clients)
+                  else Clients.from_list([clients]) if isinstance(clients, tuple) else clients)
+        return super().init(rng_key, pooled, factors, resume=resume, **model_kwargs)
+
+    def run(self, rng_key: Array, clients: Clients | tuple, num_rounds: int = 1, *,
+            progress_bar: bool = False, **kwargs: Any) -> PVIResult:
+        """Fit the pooled data (keyword arguments as for :meth:`PVI.run`)."""
+        return super().run(rng_key, clients, num_rounds, progress_bar=progress_bar, **kwargs)

@@ -1,24 +1,27 @@
 """The embedded runtime: every client in one process, on the padded, stacked client axis.
 
-A round is one compiled function:
+It drives any :class:`~fedppl.algorithms.trio.Trio`. A round is one compiled function:
 
-* ``synchronous``: all clients step from the same ``q`` under one ``jax.vmap``, then one server
-  update combines their deltas;
-* ``sequential``: ``lax.scan`` over the clients in order, the server updating after each;
+* ``synchronous``: all clients step from the same server state under one ``jax.vmap``, then one
+  server update combines their messages;
+* ``sequential``: ``lax.scan`` over the clients in order, the server updating after each (a
+  client outside the round is skipped by ``lax.cond``);
 * ``loop``: the synchronous round with a Python loop over clients (one compiled client step called
-  K times): the baseline that ``benchmarks/pvi_rounds.py`` compares ``vmap`` against.
+  K times, each client on its own host copy of its arrays): the baseline that
+  ``benchmarks/pvi_rounds.py`` compares ``vmap`` against, and the runtime for host-side trios.
 
 Example::
 
-    >>> round_fn = make_round(solver, damping=0.5, schedule="synchronous")
-    >>> state, factors, msgs, steps = round_fn(state, factors, data, masks, key, active)
+    >>> round_fn = make_round(trio, schedule="synchronous")
+    >>> server, clients, messages, replies = round_fn(server, clients, data, masks, keys,
+    ...                                               active, server_key)
 """
 
 from __future__ import annotations
 
 import warnings
-from functools import lru_cache, partial
-from typing import Callable
+from functools import lru_cache
+from typing import Any, Callable
 
 import jax
 import jax.numpy as jnp
@@ -26,123 +29,132 @@ import jaxlib
 import numpy as np
 from jax import Array
 
-from fedppl.algorithms import pvi
-from fedppl.families import gaussian as g
+from fedppl.algorithms.trio import Trio
 
 __all__ = ["make_round", "SCHEDULES"]
 
 SCHEDULES = ("sequential", "synchronous", "loop")
 
-RoundFn = Callable[
-    [pvi.ServerState, pvi.ClientState, tuple, Array, Array, Array],
-    tuple[pvi.ServerState, pvi.ClientState, pvi.ClientMessage, Array],
-]
+RoundFn = Callable[[Any, Any, tuple, Array, Array, Array, Array], tuple[Any, Any, Any, Any]]
 
 
-def make_round(solver: pvi.LocalSolver, damping: float, schedule: str,
-               score: Callable | None = None, prior_solver: pvi.LocalSolver | None = None
-               ) -> RoundFn:
-    """A function ``(state, clients, data, masks, key, active) -> (state, clients, messages,
-    steps)``; ``clients`` are the stacked :class:`~fedppl.algorithms.pvi.ClientState` and
-    ``active`` (K booleans) marks the clients taking part in the round.
+def make_round(trio: Trio, schedule: str) -> RoundFn:
+    """A function ``(server, clients, data, masks, keys, active, server_key) -> (server,
+    clients, messages, replies)``.
 
-    ``score(q, data, masks, clients)`` (the clients' expected log-likelihoods and ``KL(q ||
-    p~)``), if given, makes the server's step of a synchronous round a line search on the global
-    ELBO (:func:`fedppl.algorithms.pvi.server_update`); the sequential schedule applies each
-    client's update at once and does not use it. ``prior_solver`` (for a prior that is not
-    Gaussian) makes the server refine its prior factor ``t_0`` in every round: first in a
-    sequential round, alongside the clients (as one more message) in a synchronous one.
+    ``clients``, ``data``, ``masks`` and ``keys`` are stacked on the client axis (K); ``active``
+    (K booleans) marks the clients taking part; ``server_key`` is the server's own randomness.
+    ``messages`` and ``replies`` come back stacked on the client axis (zeros for a client that
+    sat the round out).
     """
     if schedule not in SCHEDULES:
         raise ValueError(f"schedule must be one of {SCHEDULES}, got {schedule!r}")
-    check_cpu_lapack()
-    step = partial(pvi.client_update, solver=solver, damping=damping)
-
-    def elbo_for(data, masks, clients):
-        if score is None:
-            return None
-
-        def elbo(q):
-            ell, kl = score(q, data, masks, clients)
-            if prior_solver is not None:
-                ell = jnp.concatenate([ell, prior_solver.expected_log_lik(q)[None]])
-            return ell, kl
-
-        return elbo
-
-    def server(state, msgs, active, data, masks, proposed, key):
-        """Combine the clients' messages (and the prior factor's) into a new state."""
-        if prior_solver is None:
-            return pvi.server_update(state, msgs, active, elbo_for(data, masks, proposed))
-        pmsg, _ = pvi.prior_update(state, prior_solver, damping, key)
-        both = jax.tree_util.tree_map(lambda a, b: jnp.concatenate([a, b[None]]), msgs, pmsg)
-        state, steps = pvi.server_update(state, both, jnp.append(active, True),
-                                         elbo_for(data, masks, proposed))
-        return _ack_prior(state, pmsg, steps[-1]), steps[:-1]
-
+    if trio.jit:
+        check_cpu_lapack()
     if schedule == "synchronous":
-
-        @jax.jit
-        def round_fn(state, clients, data, masks, key, active):
-            keys = jax.random.split(key, masks.shape[0])
-            msgs, proposed = jax.vmap(step, in_axes=(None, 0, 0, 0, 0))(state.q, clients, data,
-                                                                        masks, keys)
-            state, steps = server(state, msgs, active, data, masks, proposed,
-                                  jax.random.fold_in(key, masks.shape[0]))
-            return state, pvi.acknowledge(clients, msgs, steps, proposed), msgs, steps
-
-        return round_fn
-
+        return jax.jit(_synchronous(trio)) if trio.jit else _synchronous(trio)
     if schedule == "sequential":
+        return jax.jit(_sequential(trio)) if trio.jit else _sequential(trio)
+    return _loop(trio)
 
-        @jax.jit
-        def round_fn(state, clients, data, masks, key, active):
-            keys = jax.random.split(key, masks.shape[0])
-            if prior_solver is not None:
-                pmsg, _ = pvi.prior_update(state, prior_solver, damping,
-                                           jax.random.fold_in(key, masks.shape[0]))
-                new, s = pvi.server_update(state, _one(pmsg), jnp.ones(1, bool))
-                state = _ack_prior(state._replace(q=new.q), pmsg, s[0])
 
-            def one(state, inputs):
-                cstate, data_k, mask_k, key_k, active_k = inputs
-                msg, proposed = step(state.q, cstate, data_k, mask_k, key_k)
-                new_state, s = pvi.server_update(state, _one(msg), active_k[None])
-                cstate = pvi.acknowledge(_one(cstate), _one(msg), s, _one(proposed))
-                return state._replace(q=new_state.q), (_first(cstate), msg, s[0])
+def _begin(trio: Trio, server, server_key):
+    return server if trio.begin_round is None else trio.begin_round(server, server_key)
 
-            state, (clients, msgs, steps) = jax.lax.scan(
-                one, state, (clients, data, masks, keys, active))
-            return state._replace(round=state.round + 1), clients, msgs, steps
 
-        return round_fn
+def _evaluator(trio: Trio, clients, data, masks):
+    if trio.client_evaluate is None:
+        return None
+    return lambda candidate: jax.vmap(trio.client_evaluate, (None, 0, 0, 0))(candidate, clients,
+                                                                              data, masks)
 
-    client_jit = jax.jit(step)
-    server_jit = jax.jit(server)
-    ack_jit = jax.jit(pvi.acknowledge)
 
-    def round_fn(state, clients, data, masks, key, active):
-        # each client holds its own arrays (host copies), as it would on its own machine
-        clients_h, data_h, masks_h = jax.device_get((clients, data, masks))
-        replies = {}
-        for k, key_k in enumerate(jax.random.split(key, masks.shape[0])):
-            if active[k]:
-                inputs = _index((clients_h, data_h, masks_h), k)
-                replies[k] = jax.device_get(client_jit(state.q, *inputs, key_k))
-        blank = jax.tree_util.tree_map(np.zeros_like, next(iter(replies.values())))
-        out = [replies.get(k, blank) for k in range(masks.shape[0])]
-        msgs, proposed = jax.tree_util.tree_map(lambda *xs: np.stack(xs), *out)
-        state, steps = server_jit(state, msgs, active, data, masks, proposed,
-                                  jax.random.fold_in(key, masks.shape[0]))
-        return state, ack_jit(clients, msgs, steps, proposed), msgs, steps
+def _synchronous(trio: Trio):
+    def round_fn(server, clients, data, masks, keys, active, server_key):
+        server = _begin(trio, server, server_key)
+        index = jnp.arange(masks.shape[0])
+        msgs, proposed = jax.vmap(trio.client_update, (None, 0, 0, 0, 0, 0))(
+            server, clients, data, masks, keys, index)
+        server, replies = trio.server_update(server, msgs, index, active, server_key,
+                                             _evaluator(trio, proposed, data, masks))
+        clients = jax.vmap(trio.acknowledge)(clients, msgs, replies, proposed)
+        return server, clients, msgs, replies
 
     return round_fn
 
 
-def _ack_prior(state: pvi.ServerState, msg: pvi.ClientMessage, step: Array) -> pvi.ServerState:
-    """The server applies its own prior-factor delta with the step it accepted."""
-    t0 = pvi.acknowledge(_one(pvi.ClientState(state.prior_factor)), _one(msg), step[None])
-    return state._replace(prior_factor=_first(t0).factor)
+def _sequential(trio: Trio):
+    def round_fn(server, clients, data, masks, keys, active, server_key):
+        server = _begin(trio, server, server_key)
+        first = _first_client(clients, data, masks, keys)
+
+        def update(server, inputs):
+            cstate, data_k, mask_k, key_k, k = inputs
+            msg, proposed = trio.client_update(server, cstate, data_k, mask_k, key_k, k)
+            server, reply = trio.server_update(server, _one(msg), k[None], jnp.ones(1, bool),
+                                               jax.random.fold_in(server_key, k), None)
+            reply = _first(reply)
+            return server, (trio.acknowledge(cstate, msg, reply, proposed), msg, reply)
+
+        blank = jax.tree_util.tree_map(
+            lambda s: jnp.zeros(s.shape, s.dtype),
+            jax.eval_shape(lambda: update(server, first)[1][1:]))
+
+        def one(server, inputs):
+            *rest, active_k = inputs
+            return jax.lax.cond(active_k, update, lambda sv, inp: (sv, (inp[0],) + blank),
+                                server, tuple(rest))
+
+        index = jnp.arange(masks.shape[0])
+        server, (clients, msgs, replies) = jax.lax.scan(
+            one, server, (clients, data, masks, keys, index, active))
+        return server, clients, msgs, replies
+
+    return round_fn
+
+
+def _first_client(clients, data, masks, keys):
+    return (_index(clients, 0), _index(data, 0), masks[0], keys[0], jnp.asarray(0))
+
+
+def _loop(trio: Trio):
+    def server_step(server, msgs, index, active, server_key, proposed, data, masks):
+        return trio.server_update(server, msgs, index, active, server_key,
+                                  _evaluator(trio, proposed, data, masks))
+
+    client_fn, server_fn = trio.client_update, server_step
+    ack_fn = _host_vmap(trio.acknowledge)
+    if trio.jit:
+        client_fn, server_fn = jax.jit(client_fn), jax.jit(server_fn)
+        ack_fn = jax.jit(jax.vmap(trio.acknowledge))
+
+    def round_fn(server, clients, data, masks, keys, active, server_key):
+        server = _begin(trio, server, server_key)
+        # each client holds its own arrays (host copies), as it would on its own machine
+        clients_h, data_h, masks_h = jax.device_get((clients, data, masks))
+        K = np.shape(masks)[0]
+        replies = {k: jax.device_get(client_fn(server, *_index((clients_h, data_h, masks_h), k),
+                                               keys[k], k))
+                   for k in range(K) if active[k]}
+        if not replies:
+            raise ValueError("no client takes part in this round")
+        blank = jax.tree_util.tree_map(np.zeros_like, next(iter(replies.values())))
+        out = [replies.get(k, blank) for k in range(K)]
+        msgs, proposed = jax.tree_util.tree_map(lambda *xs: np.stack(xs), *out)
+        server, reps = server_fn(server, msgs, np.arange(K), active, server_key, proposed, data,
+                                 masks)
+        return server, ack_fn(clients, msgs, reps, proposed), msgs, reps
+
+    return round_fn
+
+
+def _host_vmap(fn):
+    def mapped(*trees):
+        K = len(jax.tree_util.tree_leaves(trees[1])[0])
+        outs = [fn(*_index(trees, k)) for k in range(K)]
+        return jax.tree_util.tree_map(lambda *xs: np.stack(xs), *outs)
+
+    return mapped
 
 
 def _one(tree):

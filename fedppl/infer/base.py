@@ -1,0 +1,248 @@
+"""The one front every federated method shares, shaped like numpyro's ``SVI``.
+
+A method is an object built from its model and settings. It turns the clients' data into a
+:class:`~fedppl.algorithms.trio.Trio` and its initial states, and the embedded runtime
+(:func:`fedppl.runtime.make_round`) runs the rounds:
+
+* ``init(rng_key, clients) -> RunState`` (a NamedTuple: server and client states, the stacked
+  data, the key, the round);
+* ``update(state) -> (state, info)``: one round; ``info`` is that round's row of the history;
+* ``run(rng_key, clients, num_rounds, *, progress_bar=True) -> result``.
+
+Every result derives from :class:`Result`: ``.history`` maps the same keys wherever they apply
+(``round``, ``seconds``, ``messages_up``/``messages_down``, ``bytes_up``/``bytes_down``,
+``rejected``, and the method's objective: ``free_energy``, ``elbo`` or ``bound``) to one row per
+round, round 1 first; ``.to_arviz()`` and ``.to_json()`` report it.
+
+Example::
+
+    >>> import jax, fedppl
+    >>> from fedppl.models import linear_regression
+    >>> X, y = fedppl.datasets.linear_regression(jax.random.key(0), 200, 3)
+    >>> clients = fedppl.partition.homogeneous(X, y, num_clients=4, seed=0)
+    >>> pvi = fedppl.PVI(linear_regression, fedppl.PVIGuide(linear_regression))
+    >>> state = pvi.init(jax.random.key(1), clients)
+    >>> state, info = pvi.update(state)
+    >>> info["round"], info["messages_up"]
+    (1, 4)
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from dataclasses import dataclass, field
+from typing import Any, NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax import Array
+from tqdm.auto import tqdm
+
+from fedppl.algorithms.trio import Trio
+from fedppl import validation
+from fedppl.clients import Clients
+from fedppl.runtime.embedded import make_round
+
+__all__ = ["RunState", "Result", "FederatedMethod", "COMMON_HISTORY", "num_bytes"]
+
+COMMON_HISTORY = ("round", "seconds", "messages_up", "messages_down", "bytes_up", "bytes_down",
+                  "rejected")
+
+
+class RunState(NamedTuple):
+    """Everything one round needs: the server's and the clients' states (clients stacked on
+    axis 0), their padded data and masks, the key for the next round and the rounds done."""
+
+    server: Any
+    clients: Any
+    data: tuple
+    masks: Array
+    rng_key: Array
+    round: int
+
+
+def num_bytes(tree: Any) -> int:
+    """Bytes in a pytree's arrays (what a message or broadcast costs on the wire)."""
+    return int(sum(np.asarray(x).nbytes for x in jax.tree_util.tree_leaves(tree)))
+
+
+@dataclass(kw_only=True)
+class Result:
+    """What every method's ``run`` returns: per-round ``history`` (arrays, one row per round),
+    the clients' names, and ``rejected``: ``(round, client, reason)`` for each refused update."""
+
+    history: dict[str, np.ndarray]
+    client_names: tuple[str, ...] = ()
+    rejected: list[tuple[int, str, str]] = field(default_factory=list)
+
+    @property
+    def num_rounds(self) -> int:
+        return len(self.history["round"])
+
+    def to_arviz(self, *args: Any, **kwargs: Any):
+        raise NotImplementedError
+
+    def summary(self) -> dict[str, Any]:
+        """Scalars that describe the run (extended by each method)."""
+        return {"rounds": self.num_rounds,
+                "seconds": float(np.sum(self.history["seconds"])),
+                "messages_up": int(np.sum(self.history["messages_up"])),
+                "bytes_up": int(np.sum(self.history["bytes_up"])),
+                "rejected": len(self.rejected)}
+
+    def to_json(self, path: str | None = None) -> dict[str, Any]:
+        """``{"summary": ..., "history": ...}`` with plain types (and written to ``path``)."""
+        out = {"method": type(self).__name__.removesuffix("Result") or "Result",
+               "summary": _plain(self.summary()),
+               "history": {k: _plain(v) for k, v in self.history.items()},
+               "rejected": [list(r) for r in self.rejected]}
+        if path is not None:
+            with open(path, "w") as f:
+                json.dump(out, f, indent=1)
+        return out
+
+
+def _plain(value: Any) -> Any:
+    if isinstance(value, dict):
+        return {str(k): _plain(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_plain(v) for v in value]
+    arr = np.asarray(value) if not isinstance(value, str) else None
+    if arr is None:
+        return value
+    if arr.dtype.kind in "fc":
+        return np.where(np.isfinite(arr), arr, None).tolist() if arr.ndim else (
+            float(arr) if np.isfinite(arr) else None)
+    return arr.tolist()
+
+
+class FederatedMethod:
+    """Base of every method's front. A subclass provides
+
+    * ``_setup(rng_key, clients, **kwargs) -> (trio, schedule, server, client_states)``;
+    * ``_record(before, after, messages, replies, active, rng_key) -> dict`` (its own history
+      columns; ``rng_key`` for estimates such as an ELBO);
+    * ``_refused(replies, active) -> (K,) booleans`` (updates the server did not accept);
+    * ``_result(state, history, rejected) -> Result``;
+
+    and may override ``_round_inputs`` (keys and participants), ``_message_bytes`` and
+    ``_broadcast_bytes`` (what a message and the server's broadcast cost on the wire).
+    """
+
+    name = "method"
+    schedule = "synchronous"
+    clients_per_round: int | None = None
+    refusal = "update not accepted"
+
+    # -- what a subclass provides --------------------------------------------------------------
+
+    def _setup(self, rng_key: Array, clients: Clients, **kwargs: Any
+               ) -> tuple[Trio, str, Any, Any]:
+        raise NotImplementedError
+
+    def _record(self, before: RunState, after: RunState, messages: Any, replies: Any,
+                active: np.ndarray, rng_key: Array) -> dict[str, Any]:
+        return {}
+
+    def _refused(self, replies: Any, active: np.ndarray) -> np.ndarray:
+        return np.zeros(len(active), bool)
+
+    def _result(self, state: RunState, history: dict[str, np.ndarray],
+                rejected: list[tuple[int, str, str]]) -> Result:
+        raise NotImplementedError
+
+    def _message_bytes(self, messages: Any) -> int:
+        """Bytes of one client's message (messages stacked on the client axis)."""
+        return num_bytes(jax.tree_util.tree_map(lambda x: x[0], messages))
+
+    def _broadcast_bytes(self, server: Any) -> int:
+        """Bytes of what the server sends each client taking part."""
+        return num_bytes(server)
+
+    def _round_inputs(self, state: RunState) -> tuple[Array, Array, Array, Array, Array]:
+        """``(next_key, client_keys, active, server_key, spare_key)`` for one round."""
+        K = state.masks.shape[0]
+        rng_key, k_round, k_spare, k_pick = jax.random.split(state.rng_key, 4)
+        return (rng_key, jax.random.split(k_round, K), self._participants(k_pick, K),
+                jax.random.fold_in(k_round, K), k_spare)
+
+    def _participants(self, key: Array, num_clients: int) -> Array:
+        """Booleans marking this round's clients (all, or a random ``clients_per_round``)."""
+        m = self.clients_per_round
+        if m is None or m >= num_clients:
+            return jnp.ones(num_clients, bool)
+        chosen = jax.random.permutation(key, num_clients)[:m]
+        return jnp.zeros(num_clients, bool).at[chosen].set(True)
+
+    # -- the numpyro SVI shape -----------------------------------------------------------------
+
+    def init(self, rng_key: Array, clients: Clients, **kwargs: Any) -> RunState:
+        """Check the clients, build the algorithm and its initial states."""
+        if not isinstance(clients, Clients):
+            raise TypeError(f"clients must be a fedppl.Clients (see fedppl.partition), got "
+                            f"{type(clients).__name__}")
+        rng_key = validation.rng_key(rng_key)
+        rng_key, k_setup = jax.random.split(rng_key)
+        trio, schedule, server, cstates = self._setup(k_setup, clients, **kwargs)
+        cache = self.__dict__.setdefault("_rounds", {})
+        if (trio, schedule) not in cache:
+            cache[(trio, schedule)] = make_round(trio, schedule)
+        self._round_fn = cache[(trio, schedule)]
+        self._names = clients.names
+        return RunState(server, cstates, clients.stacked, clients.mask, rng_key, 0)
+
+    def update(self, state: RunState) -> tuple[RunState, dict[str, Any]]:
+        """One round: every taking part client's update, then the server's."""
+        if not hasattr(self, "_round_fn"):
+            raise RuntimeError(f"call {type(self).__name__}.init(rng_key, clients) before update")
+        rng_key, keys, active, server_key, spare = self._round_inputs(state)
+        t0 = time.perf_counter()
+        server, cstates, msgs, replies = self._round_fn(state.server, state.clients, state.data,
+                                                        state.masks, keys, active, server_key)
+        jax.block_until_ready((server, cstates))
+        seconds = time.perf_counter() - t0
+        new = RunState(server, cstates, state.data, state.masks, rng_key, state.round + 1)
+        active = np.asarray(active)
+        refused = self._refused(replies, active) & active
+        n = int(active.sum())
+        info = {"round": new.round, "seconds": seconds, "messages_up": n, "messages_down": n,
+                "bytes_up": n * self._message_bytes(msgs),
+                "bytes_down": n * self._broadcast_bytes(state.server),
+                "rejected": int(refused.sum())}
+        self._refused_now = [self._names[k] for k in np.nonzero(refused)[0]]
+        info.update(self._record(state, new, msgs, replies, active, spare))
+        return new, info
+
+    def run(self, rng_key: Array, clients: Clients, num_rounds: int, *,
+            progress_bar: bool = True, **kwargs: Any) -> Result:
+        """``init``, then ``num_rounds`` calls of ``update``; returns the method's result."""
+        num_rounds = check_rounds(num_rounds)
+        state = self.init(rng_key, clients, **kwargs)
+        return self._loop(state, num_rounds, progress_bar)
+
+    def _loop(self, state: RunState, num_rounds: int, progress_bar: bool,
+              stop=None) -> Result:
+        rows: list[dict[str, Any]] = []
+        rejected: list[tuple[int, str, str]] = []
+        bar = tqdm(range(num_rounds), desc=f"{self.name} ({self.schedule})",
+                   disable=not progress_bar, leave=False)
+        for _ in bar:
+            state, info = self.update(state)
+            rows.append(info)
+            rejected += [(info["round"], who, self.refusal) for who in self._refused_now]
+            bar.set_postfix({k: f"{info[k]:.4g}" for k in ("elbo", "bound", "free_energy")
+                             if np.ndim(info.get(k)) == 0 and k in info})
+            if stop is not None and stop(info):
+                break
+        history = {k: np.asarray([r[k] for r in rows]) for k in rows[0]}
+        return self._result(state, history, rejected)
+
+
+def check_rounds(num_rounds: Any, name: str = "num_rounds") -> int:
+    """A positive whole number of rounds (a clear error for 0, -2, 2.5 or \"3\")."""
+    return validation.positive_int(num_rounds, name)
+
+
+_check_key = validation.rng_key  # TODO(lead): remove once the fronts call validation.rng_key

@@ -1,0 +1,107 @@
+"""The one validation layer every front shares: clear errors before any compiled code runs.
+
+Each check names the argument (or the client) and the problem, and returns the value in the
+form the code wants. The clients' data are checked when a :class:`~fedppl.clients.Clients` is
+built (shapes, empty clients, NaN or infinite values); the checks here cover the settings and
+what depends on the model (labels in the likelihood's support, input dimensions).
+
+Example::
+
+    >>> positive_int(3, "num_rounds")
+    3
+    >>> positive_int(2.5, "num_clients")
+    Traceback (most recent call last):
+    ...
+    TypeError: num_clients must be a positive integer, got 2.5
+"""
+
+from __future__ import annotations
+
+from typing import Any, Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+__all__ = ["positive_int", "positive", "fraction", "one_of", "optimizer", "rng_key",
+           "labels_in", "inputs_2d"]
+
+
+def positive_int(value: Any, name: str, minimum: int = 1) -> int:
+    """A whole number ``>= minimum`` (rejects 2.5, "3", True and NaN)."""
+    if isinstance(value, bool) or not isinstance(value, (int, np.integer)):
+        raise TypeError(f"{name} must be a positive integer, got {value!r}")
+    if value < minimum:
+        what = "a positive integer" if minimum == 1 else f"an integer >= {minimum}"
+        raise ValueError(f"{name} must be {what}, got {value}")
+    return int(value)
+
+
+def positive(value: Any, name: str, allow_zero: bool = False) -> float:
+    """A finite real number ``> 0`` (or ``>= 0``)."""
+    if isinstance(value, bool) or not isinstance(value, (int, float, np.integer, np.floating)):
+        raise TypeError(f"{name} must be a number, got {value!r}")
+    ok = value >= 0 if allow_zero else value > 0
+    if not (np.isfinite(value) and ok):
+        raise ValueError(f"{name} must be {'non-negative' if allow_zero else 'positive'} and "
+                         f"finite, got {value}")
+    return float(value)
+
+
+def fraction(value: Any, name: str) -> float:
+    """A number in (0, 1]."""
+    value = positive(value, name)
+    if value > 1:
+        raise ValueError(f"{name} must be in (0, 1], got {value}")
+    return value
+
+
+def one_of(value: Any, allowed: Sequence[Any], name: str) -> Any:
+    if value not in allowed:
+        raise ValueError(f"{name} must be one of {tuple(allowed)}, got {value!r}")
+    return value
+
+
+def optimizer(value: Any, name: str = "optimizer") -> Any:
+    """An optax optimiser (a ``GradientTransformation``), not a string or a learning rate."""
+    if not (hasattr(value, "init") and hasattr(value, "update")):
+        raise TypeError(f"{name} must be an optax optimiser such as optax.adam(1e-2), got "
+                        f"{value!r}")
+    return value
+
+
+def rng_key(value: Any, name: str = "rng_key") -> Any:
+    """A JAX key (``jax.random.key(0)`` or ``jax.random.PRNGKey(0)``), never an integer seed."""
+    if value is None or isinstance(value, (int, np.integer, float)):
+        raise TypeError(f"{name} must be a JAX key such as jax.random.key(0), got {value!r}")
+    try:
+        dtype = jnp.asarray(value).dtype if not hasattr(value, "dtype") else value.dtype
+    except TypeError as err:
+        raise TypeError(f"{name} must be a JAX key, got {type(value).__name__}") from err
+    if jnp.issubdtype(dtype, jax.dtypes.prng_key):
+        return value
+    if np.shape(value) != (2,) or dtype != jnp.uint32:
+        raise TypeError(f"{name} must be a JAX key such as jax.random.key(0), got an array of "
+                        f"shape {np.shape(value)} and dtype {dtype}")
+    return value
+
+
+def labels_in(y: Any, support: Sequence[float], who: str, name: str = "labels") -> None:
+    """Every label is one of ``support`` (Bernoulli: 0 or 1)."""
+    arr = np.asarray(y)
+    if not np.issubdtype(arr.dtype, np.number) and arr.dtype != bool:
+        raise TypeError(f"{who}: {name} must be numbers in {tuple(support)}, got dtype "
+                        f"{arr.dtype}")
+    bad = ~np.isin(arr, np.asarray(support))
+    if bad.any():
+        raise ValueError(f"{who}: {name} must be in {tuple(support)}; found "
+                         f"{np.unique(arr[bad])[:5].tolist()}")
+
+
+def inputs_2d(X: Any, who: str, dim: int | None = None, name: str = "X") -> None:
+    """Inputs of shape (N, D), with ``D == dim`` when given."""
+    shape = np.shape(X)
+    if len(shape) != 2:
+        raise ValueError(f"{who}: {name} must have shape (N, D), got {shape}")
+    if dim is not None and shape[1] != dim:
+        raise ValueError(f"{who}: {name} has {shape[1]} features where {dim} are expected")
