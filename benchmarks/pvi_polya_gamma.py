@@ -45,11 +45,9 @@ import numpyro
 import optax
 
 import fedppl
-from fedppl.algorithms import pvi as P
 from fedppl.families import gaussian as g
 from fedppl.guides import PVIGuide
 from fedppl.models import logistic_regression as model
-from fedppl.runtime.embedded import make_round
 
 jax.config.update("jax_enable_x64", True)
 
@@ -116,23 +114,14 @@ def make_pvi(method: str, schedule: str, damping: float, args) -> fedppl.PVI:
 
 
 def run_rounds(pvi: fedppl.PVI, clients, rounds: int, seed: int):
-    """Round by round (the embedded runtime, as ``PVI.run`` does): means, seconds, partial steps."""
-    solver = pvi._solver(clients)
-    round_fn = make_round(solver, pvi.damping, pvi.schedule)
-    factors = pvi.init_factors(clients.num_clients)
-    state = P.init(pvi.guide.prior, factors)
-    active = jnp.ones(clients.num_clients, bool)
-    key = jax.random.key(seed)
+    """Round by round through the front's ``init`` / ``update``: means, seconds, partial steps."""
+    state = pvi.init(jax.random.key(seed), clients)
     means, secs, partial = [], [], 0
     for _ in range(rounds):
-        key, k = jax.random.split(key)
-        t0 = time.perf_counter()
-        state, factors, _, steps = round_fn(state, factors, clients.stacked, clients.mask, k,
-                                            active)
-        jax.block_until_ready(state.q)
-        secs.append(time.perf_counter() - t0)
-        partial += int(np.sum(np.asarray(steps) < 1))
-        means.append(np.asarray(g.to_moments(state.q)[0]))
+        state, info = pvi.update(state)
+        secs.append(info["seconds"])
+        partial += int(np.sum(info["step"] < 1))
+        means.append(np.asarray(g.to_moments(state.server.q)[0]))
     return np.array(means), np.array(secs), partial
 
 

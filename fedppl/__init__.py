@@ -1,23 +1,34 @@
 """fedppl: federated Bayesian inference as NumPyro effect handlers and guides.
 
+Every method is an object with numpyro ``SVI``'s shape (``init`` / ``update`` / ``run``) over
+a trio of pure functions that the runtime drives; see :mod:`fedppl.infer`.
+
 Example::
 
-    >>> import fedppl
-    >>> from fedppl.guides import PVIGuide
-    >>> clients = fedppl.partition.homogeneous(X, y, num_clients=10, seed=0)
-    >>> result = fedppl.PVI(model, PVIGuide(model)).run(jax.random.key(0), clients, num_rounds=10)
+    >>> import jax, numpy as np, fedppl
+    >>> from fedppl.models import linear_regression as model
+    >>> rng = np.random.default_rng(0)
+    >>> X = rng.normal(size=(100, 2))
+    >>> clients = fedppl.partition.homogeneous(X, X @ np.ones(2), num_clients=5, seed=0)
+    >>> result = fedppl.PVI(model, fedppl.PVIGuide(model)).run(jax.random.key(0), clients,
+    ...                                                        num_rounds=2, progress_bar=False)
+    >>> sorted(result.sample(jax.random.key(1), 10))
+    ['b', 'w']
 """
 
 from fedppl import datasets, families, handlers, metrics, partition
 from fedppl.clients import Clients
 from fedppl.infer.bayesian_regression import FedBNR
-from fedppl.infer.fedavg_gp import FSGPConfig, fit_fsgp
+from fedppl.infer.co_training import CoTraining, CoTrainingResult
+from fedppl.infer.fedavg_gp import FSGP, FSGPConfig, FSGPResult
+from fedppl.infer.multitask_gp import PFedMul, PFedMulResult
 from fedppl.guides import PVIGuide
 from fedppl.infer.variational import PVI, GlobalVI, PVIResult
-from fedppl.infer.sparse_gps import SGPConfig, fit_sgp
+from fedppl.infer.sparse_gps import FederatedSGP, SGPConfig, SGPResult
 
 __version__ = "0.1.0"
 
-__all__ = ["PVI", "GlobalVI", "PVIResult", "PVIGuide", "FedBNR", "fit_sgp", "SGPConfig",
-           "fit_fsgp", "FSGPConfig", "Clients", "partition",
+__all__ = ["PFedMul", "PFedMulResult",
+           "PVI", "GlobalVI", "PVIResult", "PVIGuide", "FedBNR", "fit_sgp", "SGPConfig",
+           "fit_fsgp", "FSGPConfig", "CoTraining", "CoTrainingResult", "Clients", "partition",
            "handlers", "families", "metrics", "datasets", "__version__"]

@@ -6,16 +6,21 @@ and adds a boolean mask, so that all clients run through one compiled function u
 
 Example::
 
-    >>> clients = Clients.from_list([(X1, y1), (X2, y2)])
-    >>> clients.num_clients, clients.sizes        # 2, array([N1, N2])
-    >>> X_pad, y_pad = clients.stacked            # shapes (2, N_max, D), (2, N_max)
-    >>> clients.mask                              # (2, N_max) booleans
+    >>> import numpy as np
+    >>> clients = Clients.from_list([(np.ones((3, 2)), np.ones(3)), (np.ones((5, 2)), np.ones(5))])
+    >>> clients.num_clients, clients.sizes.tolist()
+    (2, [3, 5])
+    >>> X_pad, y_pad = clients.stacked            # padded with zeros to N_max rows
+    >>> X_pad.shape, y_pad.shape
+    ((2, 5, 2), (2, 5))
+    >>> clients.mask.sum(axis=1).tolist()         # (2, N_max) booleans: True at real rows
+    [3, 5]
 """
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Sequence
 
 import jax.numpy as jnp
 import numpy as np

@@ -5,25 +5,38 @@ Hernandez-Lobato & Adams (2015) / Gal & Ghahramani (2016): ``data.txt`` (whitesp
 ``index_features.txt``, ``index_target.txt``, ``n_splits.txt`` and ``index_{train,test}_{i}.txt``.
 The loader takes a path and assumes nothing about where the data live.
 
-Example::
+Standardising is scikit-learn's ``StandardScaler`` (:class:`Standardiser` keeps the
+original-units API the experiments use). The train/test/validation split stays a seeded NumPy
+permutation: scikit-learn's splitters draw from ``RandomState`` and would deal every seed's rows
+anew, moving the published FedBNR benchmark figures.
 
-    >>> from fedppl import datasets, partition
-    >>> data = datasets.load_uci("path/to/uci/concrete", split=0)
-    >>> scaler = datasets.Standardiser.fit(data.X[data.train], data.y[data.train])
-    >>> X_tr, y_tr = scaler.transform_X(data.X[data.train]), scaler.transform_y(data.y[data.train])
-    >>> clients = partition.paired_chunks(X_tr, y_tr, num_clients=10, seed=0)
-    >>> # back to original units: mean * y_std + y_mean; log-lik: subtract log(y_std)
-    >>> split = datasets.train_test_val_split(data.X, data.y, (0.8, 0.1, 0.1), seed=0)
-    >>> split.train, split.test, split.val            # disjoint index arrays
+Example (a dataset folder on disk)::
+
+    from fedppl import datasets, partition
+    data = datasets.load_uci("path/to/uci/concrete", split=0)
+    scaler = datasets.Standardiser.fit(data.X[data.train], data.y[data.train])
+    X_tr, y_tr = scaler.transform_X(data.X[data.train]), scaler.transform_y(data.y[data.train])
+    clients = partition.paired_chunks(X_tr, y_tr, num_clients=10, seed=0)
+    # back to original units: scaler.inverse_transform_y(mean); log-lik: subtract log(y_std)
+
+Splitting (the FedBNR protocol's 8:1:1)::
+
+    >>> import numpy as np
+    >>> split = train_test_val_split(np.zeros((10, 2)), np.zeros(10), (0.8, 0.1, 0.1), seed=0)
+    >>> [len(part) for part in split]                   # disjoint, sorted row indices
+    [8, 1, 1]
 """
 
 from __future__ import annotations
 
+import warnings
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import NamedTuple, Sequence
+from typing import NamedTuple
 
 import numpy as np
+from sklearn.preprocessing import StandardScaler
 
 __all__ = ["UCIData", "load_uci", "Standardiser", "Split", "train_test_val_split"]
 
@@ -49,69 +62,130 @@ def _file(folder: Path, name: str) -> Path:
     return path
 
 
+def _read(path: Path, dtype: type) -> np.ndarray:
+    """``np.loadtxt`` with the file named in its errors; an empty file gives an empty array."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", "loadtxt: input contained no data", UserWarning)
+        try:
+            return np.loadtxt(path, dtype=dtype, ndmin=2 if dtype is np.float64 else 1)
+        except ValueError as e:
+            kind = "numbers" if dtype is np.float64 else "integer indices"
+            raise ValueError(f"{path} should hold {kind}: {e}") from None
+
+
 def _indices(folder: Path, name: str) -> np.ndarray:
-    return np.loadtxt(_file(folder, name), dtype=np.int64, ndmin=1)
+    return _read(_file(folder, name), np.int64)
+
+
+def _check_columns(folder: Path, features: np.ndarray, target: np.ndarray, width: int) -> None:
+    if features.size == 0:
+        raise ValueError(f"{folder / 'index_features.txt'} lists no feature columns")
+    if target.size != 1:
+        raise ValueError(f"{folder / 'index_target.txt'} should hold one column index, "
+                         f"got {target.tolist()}")
+    cols = np.append(features, target)
+    if cols.min() < 0 or cols.max() >= width:
+        raise ValueError(f"column indices {cols.tolist()} out of range for {width} columns "
+                         f"in {folder / 'data.txt'}")
+    if len(np.unique(features)) != features.size or target[0] in features:
+        raise ValueError(f"{folder / 'index_features.txt'} repeats a column or lists the target "
+                         f"column {int(target[0])}: {features.tolist()}")
+
+
+def _check_values(folder: Path, X: np.ndarray, y: np.ndarray) -> None:
+    if X.shape[0] == 0:
+        raise ValueError(f"{folder / 'data.txt'} holds no rows")
+    bad = ~np.isfinite(np.column_stack([X, y]))
+    if bad.any():
+        rows = np.unique(np.nonzero(bad)[0])
+        raise ValueError(f"{folder / 'data.txt'} has NaN or infinite values in {len(rows)} "
+                         f"rows (first: {rows[:5].tolist()}); clean or drop them first")
+
+
+def _check_split(split: int, train: np.ndarray, test: np.ndarray, num_rows: int) -> None:
+    for name, idx in (("train", train), ("test", test)):
+        if idx.size and (idx.min() < 0 or idx.max() >= num_rows):
+            raise ValueError(f"{name} indices of split {split} out of range for {num_rows} rows")
+        if len(np.unique(idx)) != idx.size:
+            raise ValueError(f"{name} indices of split {split} repeat rows")
+    both = np.intersect1d(train, test)
+    if both.size:
+        raise ValueError(f"train and test indices of split {split} overlap in {both.size} rows "
+                         f"(first: {both[:5].tolist()})")
 
 
 def load_uci(path: str | Path, split: int | None = None) -> UCIData:
     """Read the dataset folder ``path``, with the train/test indices of ``split`` if given.
 
     Raises ``FileNotFoundError`` (naming the path) for a missing folder or file, and
-    ``ValueError`` for a split out of range or indices that do not fit the data.
+    ``ValueError`` for values that are not finite, no feature columns, column indices out of
+    range, a split out of range, and train/test indices out of range, repeated or overlapping.
     """
     folder = Path(path)
     if not folder.is_dir():
         raise FileNotFoundError(f"UCI dataset folder not found: {folder}")
-    data = np.loadtxt(_file(folder, "data.txt"), dtype=np.float64, ndmin=2)
+    data = _read(_file(folder, "data.txt"), np.float64)
     features = _indices(folder, "index_features.txt")
     target = _indices(folder, "index_target.txt")
-    if target.size != 1:
-        raise ValueError(f"{folder / 'index_target.txt'} should hold one column index, "
-                         f"got {target.tolist()}")
-    cols = np.append(features, target)
-    if cols.min() < 0 or cols.max() >= data.shape[1]:
-        raise ValueError(f"column indices {cols.tolist()} out of range for {data.shape[1]} columns "
-                         f"in {folder / 'data.txt'}")
+    _check_columns(folder, features, target, data.shape[1])
     X, y = data[:, features], data[:, int(target[0])]
+    _check_values(folder, X, y)
 
     n_path = folder / "n_splits.txt"
-    n_splits = int(np.loadtxt(n_path, dtype=np.int64)) if n_path.is_file() else None
+    n_splits = int(_read(n_path, np.int64)[0]) if n_path.is_file() else None
     if split is None:
         return UCIData(X, y, n_splits=n_splits)
     if n_splits is None:
         _file(folder, "n_splits.txt")  # raises, naming the path
+    if isinstance(split, bool) or not isinstance(split, (int, np.integer)):
+        raise TypeError(f"split must be an integer, got {split!r}")
     if not 0 <= split < n_splits:
         raise ValueError(f"split {split} out of range: {folder} has {n_splits} splits "
                          f"(0 to {n_splits - 1})")
     train = _indices(folder, f"index_train_{split}.txt")
     test = _indices(folder, f"index_test_{split}.txt")
-    for name, idx in (("train", train), ("test", test)):
-        if idx.size and (idx.min() < 0 or idx.max() >= X.shape[0]):
-            raise ValueError(f"{name} indices of split {split} out of range for {X.shape[0]} rows")
+    _check_split(split, train, test, X.shape[0])
     return UCIData(X, y, train, test, n_splits)
+
+
+def _constant_columns(a: np.ndarray) -> np.ndarray:
+    return np.ptp(a, axis=0) == 0
+
+
+def _scaler(a: np.ndarray) -> StandardScaler:
+    """sklearn's StandardScaler on the columns of ``a``; an exactly constant column is centred on
+    its value (so it maps to exactly 0; sklearn already gives it scale 1: its float std can be
+    ~1e-16 rather than 0, as in naval-propulsion-plant, and would blow rounding noise up)."""
+    scaler = StandardScaler().fit(a)
+    const = _constant_columns(a)
+    scaler.mean_ = np.where(const, a[0], scaler.mean_)
+    scaler.scale_ = np.where(const, 1.0, scaler.scale_)
+    return scaler
 
 
 @dataclass(frozen=True)
 class Standardiser:
-    """Per-column mean and standard deviation of training ``X`` and ``y`` (std 0 becomes 1).
+    """Training moments of ``X`` and ``y``: two fitted ``sklearn.preprocessing.StandardScaler``,
+    with the original-units API the experiments use (``y_mean``, ``y_std``,
+    :meth:`inverse_transform_y`).
 
-    A constant column (max == min) maps to exactly 0. Build with :meth:`fit`. Predictions go
-    back to original units with :meth:`inverse_transform_y`; a log density of standardised ``y``
-    becomes one of original ``y`` by subtracting ``log(y_std)`` (the log-Jacobian of the scaling).
+    A constant column maps to exactly 0 (scale 1). Build with :meth:`fit`. A log density of
+    standardised ``y`` becomes one of original ``y`` by subtracting ``log(y_std)`` (the
+    log-Jacobian of the scaling).
+
+    Example::
+
+        >>> import numpy as np
+        >>> s = Standardiser.fit(np.array([[1.0, 5.0], [3.0, 5.0]]), np.array([10.0, 20.0]))
+        >>> s.transform_X([[2.0, 5.0]]).tolist(), s.y_mean, s.y_std
+        ([[0.0, 0.0]], 15.0, 5.0)
+        >>> s.inverse_transform_y(s.transform_y([12.0])).tolist()
+        [12.0]
     """
 
-    x_mean: np.ndarray
-    x_std: np.ndarray
-    y_mean: np.ndarray | float
-    y_std: np.ndarray | float
-
-    @staticmethod
-    def _moments(a: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-        # Constant columns are found exactly (max == min): their float std can be ~1e-16
-        # rather than 0 (naval-propulsion-plant), which would blow rounding noise up.
-        const = np.ptp(a, axis=0) == 0
-        mean = np.where(const, a[0], a.mean(axis=0))
-        return mean, np.where(const, 1.0, a.std(axis=0))
+    x: StandardScaler
+    y: StandardScaler
+    y_is_vector: bool = True
 
     @classmethod
     def fit(cls, X: np.ndarray, y: np.ndarray) -> Standardiser:
@@ -120,21 +194,41 @@ class Standardiser:
         if X.ndim != 2 or y.ndim not in (1, 2) or X.shape[0] != y.shape[0] or X.shape[0] == 0:
             raise ValueError(f"need X of shape (N, D) and y of shape (N,) with N > 0, "
                              f"got {X.shape} and {y.shape}")
-        x_mean, x_std = cls._moments(X)
-        y_mean, y_std = cls._moments(y)
-        if y.ndim == 1:
-            y_mean, y_std = float(y_mean), float(y_std)
-        return cls(x_mean, x_std, y_mean, y_std)
+        for name, a in (("X", X), ("y", y)):
+            if not np.all(np.isfinite(a)):
+                raise ValueError(f"{name} has NaN or infinite values")
+        return cls(_scaler(X), _scaler(y.reshape(len(y), -1)), y.ndim == 1)
+
+    @property
+    def x_mean(self) -> np.ndarray:
+        return self.x.mean_
+
+    @property
+    def x_std(self) -> np.ndarray:
+        return self.x.scale_
+
+    @property
+    def y_mean(self) -> np.ndarray | float:
+        return float(self.y.mean_[0]) if self.y_is_vector else self.y.mean_
+
+    @property
+    def y_std(self) -> np.ndarray | float:
+        return float(self.y.scale_[0]) if self.y_is_vector else self.y.scale_
 
     def transform_X(self, X: np.ndarray) -> np.ndarray:
-        return (np.asarray(X, dtype=np.float64) - self.x_mean) / self.x_std
+        return self.x.transform(np.asarray(X, dtype=np.float64))
+
+    def _y(self, fn, y: np.ndarray) -> np.ndarray:
+        y = np.asarray(y, dtype=np.float64)
+        out = fn(y.reshape(len(y), -1))
+        return out.reshape(y.shape)
 
     def transform_y(self, y: np.ndarray) -> np.ndarray:
-        return (np.asarray(y, dtype=np.float64) - self.y_mean) / self.y_std
+        return self._y(self.y.transform, y)
 
     def inverse_transform_y(self, y: np.ndarray) -> np.ndarray:
         """Standardised ``y`` (or a predictive mean) back in original units."""
-        return np.asarray(y, dtype=np.float64) * self.y_std + self.y_mean
+        return self._y(self.y.inverse_transform, y)
 
 
 class Split(NamedTuple):

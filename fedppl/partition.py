@@ -4,15 +4,19 @@ Every function returns a :class:`~fedppl.clients.Clients` whose clients each hol
 
 Example::
 
+    >>> import numpy as np
     >>> from fedppl import partition
+    >>> X = np.random.default_rng(0).normal(size=(100, 3)); y = X[:, 0] > 0
     >>> clients = partition.homogeneous(X, y, num_clients=10, seed=0)
     >>> skewed = partition.by_feature(X, y, num_clients=10)          # sorted chunks
     >>> labels = partition.dirichlet(X, y, num_clients=10, alpha=0.5, seed=0)
+    >>> clients.sizes.tolist()
+    [10, 10, 10, 10, 10, 10, 10, 10, 10, 10]
 """
 
 from __future__ import annotations
 
-from typing import Sequence
+from collections.abc import Sequence
 
 import numpy as np
 
@@ -21,11 +25,16 @@ from fedppl.clients import Clients
 __all__ = ["homogeneous", "by_feature", "by_group", "dirichlet", "from_indices", "paired_chunks"]
 
 
-def _check(X: np.ndarray, y: np.ndarray, num_clients: int | None = None) -> tuple[np.ndarray, np.ndarray]:
+def _check(X: np.ndarray, y: np.ndarray, num_clients: int | None = None
+           ) -> tuple[np.ndarray, np.ndarray]:
     X, y = np.asarray(X), np.asarray(y)
+    if X.ndim == 0 or y.ndim == 0:
+        raise ValueError(f"X and y need a leading data axis, got shapes {X.shape} and {y.shape}")
     if X.shape[0] != y.shape[0]:
         raise ValueError(f"X has {X.shape[0]} rows but y has {y.shape[0]}")
     if num_clients is not None:
+        if isinstance(num_clients, bool) or not isinstance(num_clients, (int, np.integer)):
+            raise TypeError(f"num_clients must be a whole number, got {num_clients!r}")
         if num_clients < 1:
             raise ValueError(f"num_clients must be at least 1, got {num_clients}")
         if num_clients > X.shape[0]:
@@ -51,6 +60,11 @@ def homogeneous(X: np.ndarray, y: np.ndarray, num_clients: int, seed: int = 0) -
 
 def _feature_order(X: np.ndarray, y: np.ndarray, feature: int | None) -> np.ndarray:
     """Row order by ``X[:, feature]``; ``None`` takes the feature most correlated with ``y``."""
+    if X.ndim != 2:
+        raise ValueError(f"sorting by a feature needs X of shape (N, D), got {X.shape}")
+    if feature is not None and (isinstance(feature, bool)
+                                or not isinstance(feature, (int, np.integer))):
+        raise TypeError(f"feature must be a column index, got {feature!r}")
     if feature is None:
         Xc, yc = X - X.mean(0), (y - y.mean()).reshape(-1)
         denom = np.sqrt((Xc**2).sum(0) * (yc**2).sum()) + 1e-300
@@ -72,8 +86,11 @@ def by_feature(X: np.ndarray, y: np.ndarray, num_clients: int, feature: int | No
     if sizes is None:
         chunks = np.array_split(order, num_clients)
     else:
-        if len(sizes) != num_clients or sum(sizes) != X.shape[0]:
-            raise ValueError(f"sizes must be {num_clients} numbers summing to {X.shape[0]}")
+        sizes = np.asarray(sizes)
+        if (sizes.shape != (num_clients,) or not np.issubdtype(sizes.dtype, np.integer)
+                or sizes.min() < 1 or sizes.sum() != X.shape[0]):
+            raise ValueError(f"sizes must be {num_clients} positive whole numbers summing to "
+                             f"{X.shape[0]}, got {sizes.tolist()}")
         chunks = np.split(order, np.cumsum(sizes)[:-1])
     return from_indices(X, y, chunks)
 
@@ -97,8 +114,8 @@ def dirichlet(X: np.ndarray, y: np.ndarray, num_clients: int, alpha: float, seed
     Draws again (up to ``max_tries``) until every client has at least ``min_size`` points.
     """
     X, y = _check(X, y, num_clients)
-    if alpha <= 0:
-        raise ValueError(f"alpha must be positive, got {alpha}")
+    if not (isinstance(alpha, (int, float, np.number)) and np.isfinite(alpha) and alpha > 0):
+        raise ValueError(f"alpha must be a positive finite number, got {alpha!r}")
     rng = np.random.default_rng(seed)
     classes = np.unique(y)
     for _ in range(max_tries):

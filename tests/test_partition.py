@@ -63,7 +63,7 @@ def test_bad_input_names_the_problem(xy):
         fedppl.Clients.from_list([(X[:5], y[:5]), (X[:5], y[:4])])
     with pytest.raises(ValueError, match="client 1: array shapes"):
         fedppl.Clients.from_list([(X[:5], y[:5]), (X[:5, :2], y[:5])])
-    with pytest.raises(ValueError, match="alpha must be positive"):
+    with pytest.raises(ValueError, match="alpha must be a positive"):
         partition.dirichlet(X, y, 3, alpha=0.0)
     with pytest.raises(ValueError, match="clients but only"):
         partition.homogeneous(X[:3], y[:3], 5)
@@ -80,7 +80,7 @@ def test_pooled_and_subset(xy):
 def _chunk_ids(c, X, feature, num_chunks):
     """For each client, the chunk numbers (of ``num_chunks`` sorted chunks) its rows fall in."""
     ranks = np.argsort(np.argsort(X[:, feature], kind="stable"), kind="stable")
-    rank_of = dict(zip(X[:, feature].tolist(), ranks.tolist()))
+    rank_of = dict(zip(X[:, feature].tolist(), ranks.tolist(), strict=False))
     bounds = np.cumsum([len(a) for a in np.array_split(np.arange(len(X)), num_chunks)])
     return [np.searchsorted(bounds, [rank_of[v] for v in d[0][:, feature]], side="right")
             for d in c.data]
@@ -102,8 +102,9 @@ def test_paired_chunks_gives_each_client_two_sorted_chunks(xy):
         assert c.sizes[k] == sizes[pair[0]] + sizes[pair[1]]  # whole chunks, nothing else
         seen.extend(pair.tolist())
     assert sorted(seen) == list(range(2 * K))  # pairs drawn without replacement
-    y_of = dict(zip(X[:, 2].tolist(), y.tolist()))  # rows keep their targets
-    assert all(y_of[x] == v for d in c.data for x, v in zip(d[0][:, 2].tolist(), d[1].tolist()))
+    y_of = dict(zip(X[:, 2].tolist(), y.tolist(), strict=False))  # rows keep their targets
+    assert all(y_of[x] == v for d in c.data
+               for x, v in zip(d[0][:, 2].tolist(), d[1].tolist(), strict=True))
 
 
 def test_paired_chunks_seed_and_feature(xy):
@@ -113,7 +114,7 @@ def test_paired_chunks_seed_and_feature(xy):
         return [tuple(np.unique(i)) for i in _chunk_ids(c, X, feature, 8)]
 
     a, b = partition.paired_chunks(X, y, 4, seed=3), partition.paired_chunks(X, y, 4, seed=3)
-    for da, db in zip(a.data, b.data):
+    for da, db in zip(a.data, b.data, strict=False):
         np.testing.assert_array_equal(da[0], db[0])
     pairings = {tuple(pairing(partition.paired_chunks(X, y, 4, seed=s))) for s in range(5)}
     assert len(pairings) > 1  # different seeds, different pairings
@@ -132,3 +133,31 @@ def test_paired_chunks_needs_two_points_per_client(xy):
         partition.paired_chunks(X, y, 0)
     with pytest.raises(ValueError, match="feature 4 out of range"):
         partition.paired_chunks(X, y, 2, feature=4)
+
+
+@pytest.mark.parametrize("num_clients,error,match", [
+    (2.5, TypeError, "num_clients must be a whole number, got 2.5"),
+    ("3", TypeError, "num_clients must be a whole number"),
+    (True, TypeError, "num_clients must be a whole number"),
+    (0, ValueError, "num_clients must be at least 1"),
+    (200, ValueError, "200 clients but only 103 data points"),
+])
+@pytest.mark.parametrize("split", [partition.homogeneous, partition.by_feature,
+                                   partition.paired_chunks])
+def test_num_clients_must_be_a_whole_number(xy, split, num_clients, error, match):
+    X, y = xy
+    with pytest.raises(error, match=match):
+        split(X, y, num_clients)
+
+
+@pytest.mark.parametrize("call,error,match", [
+    (lambda X, y: partition.by_feature(X[:, 0], y, 2), ValueError, r"needs X of shape \(N, D\)"),
+    (lambda X, y: partition.by_feature(X, y, 2, feature=1.0), TypeError, "column index"),
+    (lambda X, y: partition.by_feature(X, y, 2, sizes=[50.5, 52.5]), ValueError,
+     "positive whole numbers summing to 103"),
+    (lambda X, y: partition.dirichlet(X, y > 0, 2, alpha=float("nan")), ValueError,
+     "alpha must be a positive finite number"),
+])
+def test_other_bad_partition_arguments(xy, call, error, match):
+    with pytest.raises(error, match=match):
+        call(*xy)

@@ -5,22 +5,32 @@ send their parameters back; the server averages those it accepts (finite ones fr
 replied), uniformly or weighted by the clients' data counts. Used for FedBNR's kernel learning and
 the FedAvg baselines of the sparse GP papers.
 
-Example::
+Example (three clients fit one mean)::
 
-    >>> state = init(params)
+    >>> import jax, jax.numpy as jnp, optax
+    >>> data = (jnp.array([[1.0, 2.0], [3.0, 0.0], [5.0, 6.0]]),)
+    >>> masks = jnp.array([[1.0, 1.0], [1.0, 0.0], [1.0, 1.0]])
+    >>> loss_fn = lambda p, d, m, key: jnp.sum(m * (d[0] - p) ** 2) / jnp.sum(m)
+    >>> state = init(jnp.asarray(0.0))
+    >>> keys = jax.random.split(jax.random.key(0), 3)
     >>> new, losses = jax.vmap(local_train, (None, None, 0, 0, None, None, 0))(
-    ...     state.params, loss_fn, data, masks, optimizer, 50, keys)
+    ...     state.params, loss_fn, data, masks, optax.sgd(0.2), 50, keys)
     >>> state, accepted = server_update(state, new, weights=masks.sum(1))
+    >>> round(float(state.params), 4), accepted.tolist()     # (1.5 * 2 + 3 + 5.5 * 2) / 5
+    (3.4, [True, True, True])
 """
 
 from __future__ import annotations
 
-from typing import Any, Callable, NamedTuple
+from collections.abc import Callable
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
 import optax
 from jax import Array
+
+from fedppl.algorithms.optimise import minimise
 
 __all__ = ["FedAvgState", "init", "local_train", "server_update", "all_finite"]
 
@@ -42,15 +52,8 @@ def local_train(params: Any, loss_fn: LossFn, data: tuple, mask: Array,
     """``steps`` optimiser updates of ``loss_fn`` from ``params`` (under ``lax.scan``); returns
     the new parameters and the loss at each step."""
 
-    def step(carry, key):
-        p, opt_state = carry
-        value, grads = jax.value_and_grad(loss_fn)(p, data, mask, key)
-        updates, opt_state = optimizer.update(grads, opt_state, p)
-        return (optax.apply_updates(p, updates), opt_state), value
-
-    keys = jax.random.split(rng_key, steps)
-    (params, _), losses = jax.lax.scan(step, (params, optimizer.init(params)), keys)
-    return params, losses
+    return minimise(lambda p, key: loss_fn(p, data, mask, key), params, optimizer, steps,
+                    rng_key)
 
 
 def all_finite(tree: Any) -> Array:

@@ -1,32 +1,65 @@
-"""FedBNR (federated Bayesian neural regression) as pure functions.
+"""FedBNR (federated Bayesian neural regression) as one trio of pure functions.
 
 Phase 1 learns the kernel (URK weights, noise ``sigma`` and prior scale ``lambda``) by maximising
-each client's log marginal likelihood (Eq. 18), aggregated by FedAvg
-(:mod:`fedppl.algorithms.fedavg`) or by knowledge distillation on a small server dataset (Eq. 19).
-Phase 2 computes the last layer exactly from sufficient statistics
+each client's log marginal likelihood (Eq. 18); the server combines the clients' kernels by
+FedAvg (:mod:`fedppl.algorithms.fedavg`), then optionally distils them on a small server dataset
+(Eq. 19, ``"kd"``), or keeps them apart (``"local"``; ``"central"`` is ``"local"`` on the pooled
+data). Phase 2 is the exact Bayesian last layer from the clients' sufficient statistics
 (:mod:`fedppl.algorithms.exact`).
 
-Example::
+Both phases are one trio; the phase lives in the server state. Every round the clients train
+(phase 1). At an evaluation round (every ``eval_every`` rounds, and the planned last round) the
+server asks the clients, through the trio's ``client_evaluate`` exchange, for their statistics
+under the new kernels, forms both last layers from them (``global_``: every client's statistics
+under each kernel; ``local``: each client's own) and scores them on its validation data. It keeps
+the best-scoring kernels with their last layers (without validation data: the latest); once
+``patience`` evaluations in a row have not improved, or the planned last round is evaluated,
+``done`` is set: phase 2 has been reached, the kernels and the last layers are final and later
+rounds change nothing.
 
-    >>> loss = partial(neg_log_ml, omega=omega)              # per-datum, for local_train
-    >>> params = kd_server_update(avg, client_params, omega, X_kd, y_kd, alpha=5.0,
-    ...                           optimizer=optax.adam(1e-2), steps=50)
+Example (two clients, two rounds of FedAvg, the last layer at the planned last round)::
+
+    >>> import jax, optax, fedppl
+    >>> from fedppl.models.random_features import URKSpec, base_draws, init_urk
+    >>> from fedppl.runtime import make_round
+    >>> spec = URKSpec(1, feature_widths=(), shift_widths=(), num_samples=5)
+    >>> X = jax.random.normal(jax.random.key(0), (40, 1)); y = jax.numpy.sin(X[:, 0])
+    >>> clients = fedppl.partition.homogeneous(X, y, num_clients=2, seed=0)
+    >>> trio = make_trio(Settings("avg", optax.adam(1e-2), local_steps=5, eval_every=5,
+    ...                           patience=5))
+    >>> params = init_params(init_urk(jax.random.key(1), spec))
+    >>> server = init_server(params, base_draws(jax.random.key(2), spec), 1, num_clients=2,
+    ...                      final_round=2)
+    >>> cstate = init_clients(params, 2)
+    >>> round_fn = make_round(trio, "synchronous")
+    >>> for r in range(2):
+    ...     server, cstate, msgs, ok = round_fn(server, cstate, clients.stacked, clients.mask,
+    ...         jax.random.split(jax.random.key(r), 2), jax.numpy.ones(2, bool), None)
+    >>> bool(server.done), server.last_layer.global_.nat1.shape   # one model, 10 features
+    (True, (1, 10))
 """
 
 from __future__ import annotations
 
-from typing import NamedTuple
+from functools import partial
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
 import optax
 from jax import Array
 
-from fedppl.algorithms import exact
+from fedppl.algorithms import exact, fedavg
+from fedppl.algorithms.optimise import minimise
+from fedppl.algorithms.trio import Trio
+from fedppl.families import gaussian as g
 from fedppl.models.random_features import URKParams, urk_features
 
-__all__ = ["BNRParams", "init_params", "neg_log_ml", "client_message", "kd_loss",
-           "kd_server_update"]
+__all__ = ["BNRParams", "Settings", "ServerState", "ClientState", "KernelMessage", "LastLayer",
+           "KERNELS", "init_params", "init_server", "init_clients", "make_trio", "neg_log_ml",
+           "client_stats", "last_layers", "predict", "kd_loss", "kd_server_update"]
+
+KERNELS = ("avg", "kd", "local", "central")
 
 
 class BNRParams(NamedTuple):
@@ -45,6 +78,67 @@ class BNRParams(NamedTuple):
         return jnp.exp(self.log_prior_scale)
 
 
+class Settings(NamedTuple):
+    """The algorithm's static choices (see :class:`fedppl.infer.bayesian_regression.FedBNR`)."""
+
+    kernel: str
+    optimizer: optax.GradientTransformation
+    local_steps: int = 50
+    kd_alpha: float = 5.0
+    kd_steps: int = 50
+    eval_every: int = 5
+    patience: int = 5
+
+    @property
+    def shared(self) -> bool:
+        """One kernel for every client (FedAvg, KD), or each client its own."""
+        return self.kernel in ("avg", "kd")
+
+
+class LastLayer(NamedTuple):
+    """Exact last layers: ``global_`` (M,) from every client's statistics under each of the M
+    kernels, ``local`` (K,) from each client's own statistics under its kernel."""
+
+    global_: g.FullGaussian
+    local: g.FullGaussian
+
+
+class ServerState(NamedTuple):
+    """The server's state; ``done`` marks phase 2 (the kernels and last layers are final)."""
+
+    kernels: BNRParams  # (M, ...) this round's kernels: M = 1 when shared, else one per client
+    best: BNRParams  # (M, ...) the kernels the last layers belong to
+    last_layer: LastLayer
+    best_score: Array  # validation RMSE of `best` (inf before any evaluation)
+    score: Array  # this round's validation RMSE (NaN when not evaluated or no validation data)
+    stale: Array  # evaluations since the last improvement
+    best_round: Array  # the round `best` comes from (0: none yet)
+    round: Array
+    final_round: Array  # the planned last round, evaluated in any case (0: none)
+    evaluated: Array  # whether this round was an evaluation round
+    done: Array
+    omega: Array  # the fixed base draws, shared at set-up
+    kd_data: tuple[Array, Array] | None  # the server's own data ("kd")
+    validation: tuple[Array, Array] | None  # the server's validation data
+
+
+class ClientState(NamedTuple):
+    """A client's own kernel (``"local"``/``"central"``) or its latest local result (shared)."""
+
+    params: BNRParams
+
+
+class KernelMessage(NamedTuple):
+    """What a client sends each round: its kernel after the local steps, and its log marginal
+    likelihood under the kernel it started from (the phase-1 objective, a scalar)."""
+
+    params: BNRParams
+    log_ml: Array
+
+
+# -- the objective and the statistics --------------------------------------------------------
+
+
 def init_params(kernel: URKParams, noise: float = 0.3, prior_scale: float = 1.0) -> BNRParams:
     return BNRParams(kernel, jnp.log(jnp.asarray(noise)), jnp.log(jnp.asarray(prior_scale)))
 
@@ -59,9 +153,9 @@ def neg_log_ml(params: BNRParams, data: tuple, mask: Array, key: Array | None = 
     return -lml / jnp.maximum(stats.count, 1.0)
 
 
-def client_message(kernel: URKParams, omega: Array, X: Array, y: Array, mask: Array
-                   ) -> exact.Stats:
-    """Phase 2 on a client: the statistics of its data under the global kernel."""
+def client_stats(kernel: URKParams, omega: Array, X: Array, y: Array, mask: Array
+                 ) -> exact.Stats:
+    """Phase 2 on a client: the statistics of its data under a kernel."""
     return exact.client_stats(urk_features(kernel, omega, X), y, mask)
 
 
@@ -87,12 +181,182 @@ def kd_server_update(start: BNRParams, client_params: BNRParams, omega: Array, X
                      steps: int) -> BNRParams:
     """Distil the clients' kernels into the global one, starting from ``start`` (the average)."""
     target = jax.lax.stop_gradient(client_params.kernel)
+    loss = lambda p, _: kd_loss(p, target, omega, X_kd, y_kd, alpha)  # noqa: E731
+    return minimise(loss, start, optimizer, steps)[0]
 
-    def step(carry, _):
-        p, opt_state = carry
-        grads = jax.grad(kd_loss)(p, target, omega, X_kd, y_kd, alpha)
-        updates, opt_state = optimizer.update(grads, opt_state, p)
-        return (optax.apply_updates(p, updates), opt_state), None
 
-    (params, _), _ = jax.lax.scan(step, (start, optimizer.init(start)), None, length=steps)
-    return params
+# -- states ----------------------------------------------------------------------------------
+
+
+def _strong(tree: Any) -> Any:
+    """Without JAX's weak types, so that compiled rounds see one input type throughout."""
+    return jax.tree_util.tree_map(lambda x: jnp.asarray(x, jnp.result_type(x)), tree)
+
+
+def _stack(tree: Any, n: int) -> Any:
+    return jax.tree_util.tree_map(lambda x: jnp.broadcast_to(x, (n, *jnp.shape(x))), tree)
+
+
+def _index(tree: Any, i: Any) -> Any:
+    return jax.tree_util.tree_map(lambda x: x[i], tree)
+
+
+def _where(flag: Array, a: Any, b: Any) -> Any:
+    return jax.tree_util.tree_map(lambda x, y: jnp.where(flag, x, y), a, b)
+
+
+def _prior_layers(params: BNRParams, num_models: int, num_clients: int, dim: int) -> LastLayer:
+    """The prior in the place of the last layers (before the first evaluation)."""
+    scale = jnp.exp(params.log_prior_scale)
+    prior = g.FullGaussian(jnp.zeros(dim), jnp.eye(dim) / scale**2)
+    return LastLayer(_stack(prior, num_models), _stack(prior, num_clients))
+
+
+def init_server(params: BNRParams, omega: Array, num_models: int, *, num_clients: int | None = None,
+                final_round: int = 0, kd_data: tuple | None = None,
+                validation: tuple | None = None) -> ServerState:
+    """The server's first state: ``num_models`` copies of ``params`` (1 when shared, else K)."""
+    num_clients = num_models if num_clients is None else num_clients
+    params = _strong(params)
+    kernels = _stack(params, num_models)
+    zero, dtype = jnp.asarray(0, int), params.log_noise.dtype
+    return ServerState(kernels, kernels,
+                       _prior_layers(params, num_models, num_clients, 2 * omega.shape[0]),
+                       jnp.asarray(jnp.inf, dtype), jnp.asarray(jnp.nan, dtype), zero, zero, zero,
+                       jnp.asarray(final_round, int), jnp.asarray(False), jnp.asarray(False),
+                       omega, kd_data, validation)
+
+
+def init_clients(params: BNRParams, num_clients: int) -> ClientState:
+    return ClientState(_stack(_strong(params), num_clients))
+
+
+# -- phase 2: last layers, predictions, scores -----------------------------------------------
+
+
+def last_layers(stats: exact.Stats, kernels: BNRParams, shared: bool) -> LastLayer:
+    """Both last layers from ``stats`` of shape ``(K, M, ...)`` (client k under kernel m)."""
+    K = stats.count.shape[0]
+    over_clients = jax.tree_util.tree_map(lambda x: jnp.swapaxes(x, 0, 1), stats)
+    total = jax.vmap(exact.add_up)(over_clients)  # (M, ...): client 0 first, as on the host
+    glob = jax.vmap(exact.posterior)(total, kernels.noise, kernels.prior_scale)
+    which = jnp.zeros(K, int) if shared else jnp.arange(K)
+    own = jax.tree_util.tree_map(lambda x: x[jnp.arange(K), which], stats)
+    mine = _index(kernels, which)
+    local = jax.vmap(exact.posterior)(own, mine.noise, mine.prior_scale)
+    return LastLayer(glob, local)
+
+
+def model_kernels(kernels: BNRParams, num_clients: int, shared: bool, last_layer: str
+                  ) -> BNRParams:
+    """The kernel of each model of a last layer: one per kernel (global), one per client."""
+    if last_layer == "global":
+        return kernels
+    return _index(kernels, jnp.zeros(num_clients, int) if shared else jnp.arange(num_clients))
+
+
+def predict(kernels: BNRParams, posteriors: g.FullGaussian, omega: Array, X: Array
+            ) -> tuple[Array, Array]:
+    """Predictive means and variances (noise included), ``(models, n)`` each."""
+    def one(p, post):
+        return exact.predict(post, urk_features(p.kernel, omega, X), p.noise)
+
+    return jax.vmap(one)(kernels, posteriors)
+
+
+def _score(layer: LastLayer, kernels: BNRParams, settings: Settings, last_layer: str,
+           omega: Array, validation: tuple | None) -> Array:
+    """Validation RMSE of the chosen last layer, averaged over its models (NaN: no data)."""
+    if validation is None:
+        return jnp.asarray(jnp.nan)
+    post = layer.global_ if last_layer == "global" else layer.local
+    models = model_kernels(kernels, post.nat1.shape[0], settings.shared, last_layer)
+    mean, _ = predict(models, post, omega, validation[0])
+    return jnp.mean(jnp.sqrt(jnp.mean((mean - validation[1]) ** 2, axis=1)))
+
+
+# -- the trio --------------------------------------------------------------------------------
+
+
+def make_trio(settings: Settings, last_layer: str = "global") -> Trio:
+    """FedBNR's trio; ``last_layer`` (``"global"`` or ``"local"``) is the one scored on the
+    validation data (both are formed at every evaluation)."""
+    return Trio(partial(_client_update, settings), partial(_server_update, settings, last_layer),
+                client_evaluate=_client_evaluate)
+
+
+def _client_update(settings: Settings, server: ServerState, client: ClientState, data: tuple,
+                   mask: Array, rng_key: Array, index: Array
+                   ) -> tuple[KernelMessage, ClientState]:
+    start = _index(server.kernels, 0) if settings.shared else client.params
+    loss = partial(neg_log_ml, omega=server.omega)
+
+    def train(_):
+        new, losses = fedavg.local_train(start, loss, data, mask, settings.optimizer,
+                                         settings.local_steps, rng_key)
+        return new, -losses[0] * jnp.sum(mask)
+
+    def rest(_):  # phase 2: nothing left to learn
+        return start, jnp.full((), jnp.nan, jnp.result_type(float))
+
+    new, log_ml = jax.lax.cond(server.done, rest, train, None)
+    return KernelMessage(new, log_ml), ClientState(new)
+
+
+def _client_evaluate(candidate: tuple[BNRParams, Array], client: ClientState, data: tuple,
+                     mask: Array) -> exact.Stats:
+    """The evaluation exchange: this client's statistics under each candidate kernel."""
+    kernels, omega = candidate
+    X, y = data
+    return jax.vmap(lambda p: client_stats(p.kernel, omega, X, y, mask))(kernels)
+
+
+def _aggregate(settings: Settings, server: ServerState, params: BNRParams, received: Array
+               ) -> tuple[BNRParams, Array]:
+    """This round's kernels from the clients' and which clients' kernels were taken."""
+    if not settings.shared:
+        return params, received
+    state, ok = fedavg.server_update(fedavg.init(_index(server.kernels, 0)), params,
+                                     received=received)
+    kernel = state.params
+    if settings.kernel == "kd":
+        if server.kd_data is None:
+            raise ValueError("kernel='kd' needs the server's kd_data")
+        X_kd, y_kd = server.kd_data
+        kernel = kd_server_update(kernel, params, server.omega, X_kd, y_kd, settings.kd_alpha,
+                                  settings.optimizer, settings.kd_steps)
+    return _stack(kernel, 1), ok
+
+
+def _server_update(settings: Settings, last_layer: str, server: ServerState,
+                   msgs: KernelMessage, index: Array, received: Array, rng_key: Array,
+                   evaluate: Any) -> tuple[ServerState, Array]:
+    if evaluate is None:
+        raise ValueError("FedBNR needs the evaluation exchange: run it synchronously")
+    kernels, ok = jax.lax.cond(server.done, lambda: (server.kernels, received & False),
+                               lambda: _aggregate(settings, server, msgs.params, received))
+    rnd = server.round + jnp.where(server.done, 0, 1)
+    due = (rnd % settings.eval_every == 0) | (rnd == server.final_round)
+    now = ~server.done & due
+
+    def assess():
+        stats = evaluate((kernels, server.omega))
+        layer = last_layers(stats, kernels, settings.shared)
+        score = _score(layer, kernels, settings, last_layer, server.omega, server.validation)
+        usable = exact.all_finite(stats)
+        return layer, jnp.where(usable, score, jnp.inf), usable
+
+    layer, score, usable = jax.lax.cond(
+        now, assess, lambda: (server.last_layer, jnp.asarray(jnp.nan, server.score.dtype),
+                              jnp.asarray(False)))
+    better = now & usable & ((server.validation is None) | (score < server.best_score))
+    stale = jnp.where(now, jnp.where(better, 0, server.stale + 1), server.stale)
+    stop = now & ((stale >= settings.patience) | (rnd == server.final_round))
+    new = server._replace(
+        kernels=kernels, best=_where(better, kernels, server.best),
+        last_layer=_where(better, layer, server.last_layer),
+        best_score=jnp.where(better, score, server.best_score),
+        score=jnp.where(now, score, jnp.nan), stale=stale,
+        best_round=jnp.where(better, rnd, server.best_round), round=rnd, evaluated=now,
+        done=server.done | stop)
+    return new, ok

@@ -20,12 +20,26 @@ step is halved (up to ten times, then dropped). The accepted step is acknowledge
 which applies the same step to its own factor, so ``q = p * prod_k t_k`` holds exactly on both
 sides.
 
-Example (what :class:`fedppl.PVI` does each synchronous round)::
+Example (one synchronous round by hand, as :class:`fedppl.PVI` runs it through the runtime;
+Bayesian linear regression, so the local step is in closed form)::
 
+    >>> import jax, jax.numpy as jnp, numpy as np, fedppl
+    >>> from fedppl.families import gaussian as g
+    >>> from fedppl.models import linear_regression
+    >>> rng = np.random.default_rng(0)
+    >>> X = rng.normal(size=(60, 2))
+    >>> clients = fedppl.partition.homogeneous(X, X @ np.ones(2), num_clients=3, seed=0)
+    >>> guide = fedppl.PVIGuide(linear_regression)
+    >>> guide = guide.setup(*clients.client(0))
+    >>> flat = jax.tree_util.tree_map(lambda x: jnp.stack([x] * 3), g.zeros_like(guide.prior))
+    >>> state, cstates = init(guide.prior, flat), ClientState(flat)
     >>> msgs, proposed = jax.vmap(client_update, (None, 0, 0, 0, 0, None, None))(
-    ...     state.q, clients, data, masks, keys, solver, damping)
+    ...     state.q, cstates, clients.stacked, clients.mask, jax.random.split(jax.random.key(0), 3),
+    ...     ConjugateSolver(linear_regression, guide), 1.0)
     >>> state, steps = server_update(state, msgs)
-    >>> clients = acknowledge(clients, msgs, steps, proposed)
+    >>> cstates = acknowledge(cstates, msgs, steps, proposed)
+    >>> steps.tolist()
+    [1.0, 1.0, 1.0]
 """
 
 from __future__ import annotations

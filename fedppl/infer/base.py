@@ -16,9 +16,11 @@ round, round 1 first; ``.to_arviz()`` and ``.to_json()`` report it.
 
 Example::
 
-    >>> import jax, fedppl
+    >>> import jax, numpy as np, fedppl
     >>> from fedppl.models import linear_regression
-    >>> X, y = fedppl.datasets.linear_regression(jax.random.key(0), 200, 3)
+    >>> rng = np.random.default_rng(0)
+    >>> X = rng.normal(size=(200, 3))
+    >>> y = X @ np.array([1.0, -0.5, 0.2]) + rng.normal(size=200)
     >>> clients = fedppl.partition.homogeneous(X, y, num_clients=4, seed=0)
     >>> pvi = fedppl.PVI(linear_regression, fedppl.PVIGuide(linear_regression))
     >>> state = pvi.init(jax.random.key(1), clients)

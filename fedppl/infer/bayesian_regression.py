@@ -1,7 +1,9 @@
 """``FedBNR``: a global random-feature GP learned across clients (Alg. 1 of the FedBNR paper).
 
 Phase 1 learns the kernel; phase 2 fits the Bayesian last layer exactly from the clients'
-sufficient statistics. The paper's variants and ablations are the combinations of
+sufficient statistics. Both run as one trio (:mod:`fedppl.algorithms.fedbnr`) on the embedded
+runtime, the phase held in the server's state. The paper's variants and ablations are the
+combinations of
 
 * ``kernel``: ``"avg"`` (FedAvg), ``"kd"`` (knowledge distillation on server data), ``"local"``
   (each client its own kernel) or ``"central"`` (pooled data: the reference);
@@ -9,220 +11,344 @@ sufficient statistics. The paper's variants and ablations are the combinations o
   own data only).
 
 FedBNR is ``avg + global``, FedBNR-KD ``kd + global``; models that stay per client are scored as
-the average over clients, as in the paper.
+the average over clients, as in the paper. Every evaluation forms both last layers from the same
+statistics, so one run scores both (``result.predict(X, last_layer="local")``); ``last_layer``
+picks the one that validation selects on and that ``predict`` uses by default.
+
+Validation data (``validation=(X_val, y_val)``, standardised like the training data) enables
+early stopping: every ``eval_every`` rounds (and at the last round) the server scores the last
+layer by RMSE, keeps the best kernels and stops after ``patience`` evaluations without
+improvement. Without validation data the run takes all ``num_rounds`` rounds and keeps the last
+kernels, with their last layer formed at the last round.
 
 Example::
 
-    >>> spec = URKSpec(input_dim=X.shape[1])
-    >>> fit = FedBNR(spec, kernel="avg").fit(jax.random.key(0), clients, validation=(Xv, yv))
-    >>> mean, var = fit.predict(X_test)            # (models, n): one model for avg + global
+    >>> import jax, numpy as np, fedppl
+    >>> from fedppl.models.random_features import URKSpec
+    >>> X = np.linspace(-3, 3, 80)[:, None]; y = np.sin(X[:, 0])
+    >>> clients = fedppl.partition.homogeneous(X, y, num_clients=2, seed=0)
+    >>> spec = URKSpec(input_dim=1, feature_widths=(), shift_widths=(), num_samples=10)
+    >>> method = FedBNR(spec, kernel="avg", local_steps=5)
+    >>> result = method.run(jax.random.key(0), clients, num_rounds=3, progress_bar=False,
+    ...                     validation=(X[::7], y[::7]))
+    >>> mean, var = result.predict(X[:4])         # (models, n): one model for avg + global
+    >>> mean.shape, result.history["round"].tolist()
+    ((1, 4), [1, 2, 3])
 """
 
 from __future__ import annotations
 
+import math
 import warnings
-from dataclasses import dataclass, field
-from functools import partial
+from dataclasses import dataclass
+from typing import Any
+
 import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
 from jax import Array
-from tqdm.auto import tqdm
 
-from fedppl.algorithms import exact, fedavg
 from fedppl.algorithms import fedbnr as alg
+from fedppl.algorithms.optimise import check_optimizer
 from fedppl.clients import Clients
 from fedppl.families import gaussian as g
-from fedppl.models.random_features import URKSpec, base_draws, init_urk, urk_features
+from fedppl.infer.base import FederatedMethod, Result, RunState, _check_key, check_rounds, num_bytes
+from fedppl.models.random_features import URKSpec, base_draws, check_spec, init_urk
 
-__all__ = ["FedBNR", "FedBNRFit", "KERNELS", "LAST_LAYERS"]
+__all__ = ["FedBNR", "FedBNRResult", "KERNELS", "LAST_LAYERS"]
 
-KERNELS = ("avg", "kd", "local", "central")
+KERNELS = alg.KERNELS
 LAST_LAYERS = ("global", "local")
+SCHEDULES = ("synchronous", "loop")
 
 
-@dataclass
-class FedBNRFit:
-    """Learnt kernels and last layers, one per model (``M = 1`` for a global model, else K).
+@dataclass(kw_only=True)
+class FedBNRResult(Result):
+    """The learnt kernels and their exact last layers.
 
-    ``messages`` holds the phase-2 statistics the clients sent for the first model, for
-    inspection; ``history`` the validation RMSE at each evaluation.
+    ``kernels`` has a leading model axis (``M = 1`` for a shared or central kernel, else one per
+    client); ``layers`` holds both last layers under them. ``history`` has, besides the common
+    keys, ``elbo`` (the clients' summed log marginal likelihoods under the kernels each round
+    starts from: the phase-1 objective, which the exact last layer's ELBO equals), ``val_rmse``
+    (NaN where the round was not an evaluation), ``evaluated`` and ``phase`` (2 once the kernels
+    are final). ``best_round`` is the round the kernels come from; ``rounds_to_convergence`` the
+    round early stopping ended phase 1 (``None``: it ran every round).
     """
 
-    params: alg.BNRParams  # leading axis M
-    posteriors: g.FullGaussian  # leading axis M
+    spec: URKSpec
+    kernel: str
+    last_layer: str
+    kernels: alg.BNRParams
+    layers: alg.LastLayer
     omega: Array
-    history: dict[str, list] = field(default_factory=dict)
-    messages: list[exact.Stats] = field(default_factory=list)
+    best_round: int | None = None
+    rounds_to_convergence: int | None = None
+
+    def models(self, last_layer: str | None = None) -> tuple[alg.BNRParams, g.FullGaussian]:
+        """The kernel and last-layer posterior of each model, stacked on axis 0."""
+        last_layer = _choice(self.last_layer if last_layer is None else last_layer,
+                             LAST_LAYERS, "last_layer")
+        post = self.layers.global_ if last_layer == "global" else self.layers.local
+        shared = self.kernel in ("avg", "kd")
+        return alg.model_kernels(self.kernels, post.nat1.shape[0], shared, last_layer), post
 
     @property
     def num_models(self) -> int:
-        return self.posteriors.nat1.shape[0]
+        return int(self.models()[1].nat1.shape[0])
 
-    def predict(self, X: Array) -> tuple[Array, Array]:
-        """Predictive means and variances (noise included), each of shape ``(M, n)``."""
-        return _predict(self.params, self.posteriors, self.omega, jnp.asarray(X))
+    def predict(self, X: Any, last_layer: str | None = None) -> tuple[Array, Array]:
+        """Predictive means and variances (noise included) at ``X (n, input_dim)``, each of shape
+        ``(models, n)``; ``last_layer`` overrides the method's choice."""
+        X = _check_inputs(X, self.spec.input_dim, "X")
+        kernels, post = self.models(last_layer)
+        return _predict(kernels, post, self.omega, jnp.asarray(X))
+
+    def summary(self) -> dict[str, Any]:
+        out = super().summary()
+        val = self.history.get("val_rmse", np.array([]))
+        scores = val[np.isfinite(val)]
+        out.update(kernel=self.kernel, last_layer=self.last_layer, best_round=self.best_round,
+                   rounds_to_convergence=self.rounds_to_convergence,
+                   best_val_rmse=float(scores.min()) if scores.size else None)
+        return out
+
+    def to_arviz(self, rng_key: Array | None = None, num_samples: int = 1000,
+                 last_layer: str | None = None):
+        """Draws of the last-layer weights ``w`` (dims ``model, feature``) from each model's
+        exact posterior, each model's noise and prior scale as constant data, and the run's
+        summary as attributes (needs ``pip install fedppl[arviz]``)."""
+        from fedppl.arviz import _arviz
+
+        check_rounds(num_samples, "num_samples")
+        kernels, post = self.models(last_layer)
+        key = jax.random.key(0) if rng_key is None else rng_key
+        keys = jax.random.split(key, post.nat1.shape[0])
+        draws = jax.vmap(lambda k, p: g.sample(k, p, num_samples), out_axes=1)(keys, post)
+        idata = _arviz().from_dict(
+            posterior={"w": np.asarray(draws)[None]},
+            constant_data={"noise": np.asarray(kernels.noise),
+                           "prior_scale": np.asarray(kernels.prior_scale)},
+            dims={"w": ["model", "feature"], "noise": ["model"], "prior_scale": ["model"]})
+        for k, v in self.summary().items():
+            idata.posterior.attrs[k] = "None" if v is None else v
+        return idata
 
 
 @jax.jit
-def _predict(params, posteriors, omega, X):
-    def one(p, post):
-        return exact.predict(post, urk_features(p.kernel, omega, X), p.noise)
-
-    return jax.vmap(one)(params, posteriors)
+def _predict(kernels, posteriors, omega, X):
+    return alg.predict(kernels, posteriors, omega, X)
 
 
-class FedBNR:
-    """Two-phase federated Bayesian neural regression.
+class FedBNR(FederatedMethod):
+    """Two-phase federated Bayesian neural regression (standardised inputs and targets).
 
-    :param spec: the URK architecture.
+    :param spec: the URK architecture (:class:`~fedppl.models.random_features.URKSpec`).
     :param kernel: ``"avg"``, ``"kd"``, ``"local"`` or ``"central"`` (phase 1).
-    :param last_layer: ``"global"`` or ``"local"`` (phase 2).
-    :param optimizer: optax optimiser for the local (and distillation) steps.
-    :param rounds: aggregation rounds; ``local_steps`` full-batch steps per round.
+    :param last_layer: ``"global"`` or ``"local"`` (phase 2: the one validated and predicted
+        with by default; ``"central"`` pools the data, so its last layer is global).
+    :param optimizer: any optax optimiser for the local (and distillation) steps
+        (default ``optax.adam(1e-2)``).
+    :param local_steps: full-batch steps per round on each client.
     :param kd_alpha, kd_steps: weight of the kernel-matching term and server steps (``"kd"``).
-    :param eval_every, patience: validation RMSE every ``eval_every`` rounds; stop after
-        ``patience`` evaluations without improvement; the best evaluated parameters are kept.
-    :param noise, prior_scale: initial sigma and lambda (standardised units).
+    :param eval_every, patience: evaluate every ``eval_every`` rounds; stop after ``patience``
+        evaluations without improvement of the validation RMSE.
+    :param noise, prior_scale: initial sigma and lambda (positive, standardised units).
+    :param schedule: ``"synchronous"`` (clients vmapped) or ``"loop"`` (a Python loop over the
+        clients); FedAvg has no sequential form.
     """
 
-    def __init__(self, spec: URKSpec, kernel: str = "avg", last_layer: str = "global",
-                 optimizer: optax.GradientTransformation | None = None, rounds: int = 100,
-                 local_steps: int = 50, kd_alpha: float = 5.0, kd_steps: int = 50,
-                 eval_every: int = 5, patience: int = 5, noise: float = 0.3,
-                 prior_scale: float = 1.0):
-        if kernel not in KERNELS:
-            raise ValueError(f"kernel must be one of {KERNELS}, got {kernel!r}")
-        if last_layer not in LAST_LAYERS:
-            raise ValueError(f"last_layer must be one of {LAST_LAYERS}, got {last_layer!r}")
-        self.spec, self.kernel, self.last_layer = spec, kernel, last_layer
-        self.optimizer = optimizer if optimizer is not None else optax.adam(1e-2)
-        self.rounds, self.local_steps = rounds, local_steps
-        self.kd_alpha, self.kd_steps = kd_alpha, kd_steps
-        self.eval_every, self.patience = eval_every, patience
-        self.noise, self.prior_scale = noise, prior_scale
+    name = "FedBNR"
 
-    # -- phase 1 -----------------------------------------------------------------------------
+    def __init__(self, spec: URKSpec, kernel: str = "avg", last_layer: str = "global", *,
+                 optimizer: optax.GradientTransformation | None = None, local_steps: int = 50,
+                 kd_alpha: float = 5.0, kd_steps: int = 50, eval_every: int = 5,
+                 patience: int = 5, noise: float = 0.3, prior_scale: float = 1.0,
+                 schedule: str = "synchronous"):
+        self.spec = check_spec(spec)
+        self.kernel = _choice(kernel, KERNELS, "kernel")
+        self.last_layer = _choice(last_layer, LAST_LAYERS, "last_layer")
+        if kernel == "central" and last_layer == "local":
+            raise ValueError("kernel='central' learns on the pooled data, so its last layer is "
+                             "global; last_layer='local' needs a federated kernel")
+        self.schedule = _choice(schedule, SCHEDULES, "schedule")
+        self.optimizer = check_optimizer(optax.adam(1e-2) if optimizer is None else optimizer)
+        self.local_steps = _count(local_steps, "local_steps")
+        self.kd_steps = _count(kd_steps, "kd_steps")
+        self.eval_every = _count(eval_every, "eval_every")
+        self.patience = _count(patience, "patience")
+        self.kd_alpha = _number(kd_alpha, "kd_alpha", positive=False)
+        self.noise = _number(noise, "noise")
+        self.prior_scale = _number(prior_scale, "prior_scale")
+        settings = alg.Settings(kernel, self.optimizer, self.local_steps, self.kd_alpha,
+                                self.kd_steps, self.eval_every, self.patience)
+        self._trio = alg.make_trio(settings, self.last_layer)
 
-    def _round_fn(self, omega: Array, kd_data: tuple | None):
-        loss = partial(alg.neg_log_ml, omega=omega)
-        train = partial(fedavg.local_train, loss_fn=loss, optimizer=self.optimizer,
-                        steps=self.local_steps)
-        shared = self.kernel in ("avg", "kd")
-        vtrain = jax.vmap(lambda p, d, m, k: train(p, data=d, mask=m, rng_key=k)[0],
-                          in_axes=(None if shared else 0, 0, 0, 0))
+    @property
+    def shared(self) -> bool:
+        return self.kernel in ("avg", "kd")
 
-        @jax.jit
-        def round_fn(params, data, masks, key):
-            keys = jax.random.split(key, masks.shape[0])
-            new = vtrain(params, data, masks, keys)
-            if not shared:  # local kernels (or the one pooled "client" of central)
-                return new
-            state, _ = fedavg.server_update(fedavg.init(params), new)
-            if self.kernel == "avg":
-                return state.params
-            return alg.kd_server_update(state.params, new, omega, *kd_data, self.kd_alpha,
-                                        self.optimizer, self.kd_steps)
+    # -- the front's hooks ---------------------------------------------------------------------
 
-        return round_fn
-
-    def fit(self, rng_key: Array, clients: Clients, validation: tuple[Array, Array],
-            kd_data: tuple[Array, Array] | None = None, progress_bar: bool = False) -> FedBNRFit:
-        """Learn the kernel, then the last layer; standardised inputs and targets expected."""
-        params, omega, history = self.learn_kernel(rng_key, clients, validation, kd_data,
-                                                   progress_bar)
-        fit = self.last_layer_fit(params, omega, clients)
-        fit.history = history
-        return fit
-
-    def learn_kernel(self, rng_key: Array, clients: Clients, validation: tuple[Array, Array],
-                     kd_data: tuple[Array, Array] | None = None, progress_bar: bool = False
-                     ) -> tuple[alg.BNRParams, Array, dict]:
-        """Phase 1 with early stopping on validation RMSE (scored with this object's last
-        layer); returns the best parameters, the random draws and the validation history."""
-        if self.kernel == "kd" and kd_data is None:
-            raise ValueError("kernel='kd' needs kd_data=(X_kd, y_kd) held by the server")
-        k_omega, k_init, k_run = jax.random.split(rng_key, 3)
+    def _setup(self, rng_key: Array, clients: Clients, *, keys: tuple[Array, Array],
+               final_round: int, kd_data: tuple | None, validation: tuple | None):
+        k_omega, k_init = keys  # the stream FedBNR always drew from (rng_key is not used)
         omega = base_draws(k_omega, self.spec)
         params = alg.init_params(init_urk(k_init, self.spec), self.noise, self.prior_scale)
-        train_clients = clients.pooled() if self.kernel == "central" else clients
-        data, masks = train_clients.stacked, train_clients.mask
-        if self.kernel in ("local", "central"):
-            params = jax.tree_util.tree_map(
-                lambda x: jnp.broadcast_to(x, (train_clients.num_clients,) + x.shape), params)
-        kd = None if kd_data is None else tuple(jnp.asarray(a) for a in kd_data)
-        round_fn = self._round_fn(omega, kd)
-        best, best_rmse, stale, history = params, np.inf, 0, {"round": [], "val_rmse": []}
-        for r in tqdm(range(1, self.rounds + 1), disable=not progress_bar, leave=False,
-                      desc=f"FedBNR {self.kernel}+{self.last_layer}"):
-            k_run, key = jax.random.split(k_run)
-            params = round_fn(params, data, masks, key)
-            if r % self.eval_every and r != self.rounds:
-                continue
-            rmse = self._validation_rmse(params, omega, clients, validation)
-            history["round"].append(r)
-            history["val_rmse"].append(rmse)
-            if rmse < best_rmse:
-                best, best_rmse, stale = params, rmse, 0
-            else:
-                stale += 1
-                if stale >= self.patience:
-                    break
-        return best, omega, history
-
-    def _validation_rmse(self, params, omega, clients, validation) -> float:
-        try:
-            fit = self.last_layer_fit(params, omega, clients)
-        except ValueError as e:  # a diverged kernel: count it as no improvement
-            warnings.warn(f"validation skipped: {e}", RuntimeWarning, stacklevel=3)
-            return np.inf
-        mean, _ = fit.predict(validation[0])
-        return float(np.mean(np.sqrt(np.mean((np.asarray(mean) - validation[1]) ** 2, axis=1))))
-
-    # -- phase 2 -----------------------------------------------------------------------------
-
-    def last_layer_fit(self, params: alg.BNRParams, omega: Array, clients: Clients,
-                       last_layer: str | None = None) -> FedBNRFit:
-        """Phase 2: exact last layer(s) from the clients' statistics under the learnt kernel(s);
-        ``last_layer`` overrides this object's choice (to score both from one kernel)."""
-        last_layer = self.last_layer if last_layer is None else last_layer
-        if last_layer not in LAST_LAYERS:
-            raise ValueError(f"last_layer must be one of {LAST_LAYERS}, got {last_layer!r}")
-        data, masks = clients.stacked, clients.mask
-        per_model = self.kernel == "local"
-        if self.kernel in ("avg", "kd"):  # one shared kernel: a model axis of one
-            params = jax.tree_util.tree_map(lambda x: x[None], params)
-        stats = _stats_all(params.kernel, omega, data, masks)  # (M, K, ...)
         K = clients.num_clients
-        posts, messages = [], []
-        for m in range(stats.count.shape[0]):
-            msgs = [exact.Stats(stats.scatter[m, k], stats.proj[m, k], stats.count[m, k])
-                    for k in range(K)]
-            p_m = jax.tree_util.tree_map(lambda x: x[m], params)
-            if last_layer == "global":
-                posts.append(exact.posterior(exact.aggregate(msgs, clients.names), p_m.noise,
-                                             p_m.prior_scale))
-            else:
-                own = [m] if per_model else range(K)
-                for k in own:
-                    posts.append(exact.posterior(exact.aggregate([msgs[k]], [clients.names[k]]),
-                                                 p_m.noise, p_m.prior_scale))
-            if m == 0:
-                messages = msgs
-        if not per_model and last_layer == "local":
-            params = jax.tree_util.tree_map(lambda x: jnp.broadcast_to(x[:1], (K,) + x.shape[1:]),
-                                            params)
-        posteriors = jax.tree_util.tree_map(lambda *xs: jnp.stack(xs), *posts)
-        return FedBNRFit(params, posteriors, omega, messages=messages)
+        server = alg.init_server(params, omega, 1 if self.shared else K, num_clients=K,
+                                 final_round=final_round, kd_data=kd_data,
+                                 validation=validation)
+        cstates = alg.init_clients(params, K)
+        stats = jax.eval_shape(self._trio.client_evaluate, (server.kernels, omega),
+                               _first(cstates), _first(clients.stacked), clients.mask[0])
+        self._stats_bytes = sum(math.prod(s.shape) * s.dtype.itemsize
+                                for s in jax.tree_util.tree_leaves(stats))
+        return self._trio, self.schedule, server, cstates
+
+    def _round_inputs(self, state: RunState):
+        # FedBNR's own key stream: (k_run, key) = split(k_run) each round, a key per client
+        rng_key, key = jax.random.split(state.rng_key)
+        K = state.masks.shape[0]
+        return rng_key, jax.random.split(key, K), jnp.ones(K, bool), key, key
+
+    def _broadcast_bytes(self, server: alg.ServerState) -> int:
+        return num_bytes(server.kernels) if self.shared and not bool(server.done) else 0
+
+    def _refused(self, replies: Array, active: np.ndarray) -> np.ndarray:
+        return ~np.asarray(replies, bool)
+
+    def _record(self, before: RunState, after: RunState, msgs: alg.KernelMessage, replies: Any,
+                active: np.ndarray, rng_key: Array) -> dict[str, Any]:
+        srv = after.server
+        n = 0 if bool(before.server.done) else int(active.sum())
+        evaluated = bool(srv.evaluated)
+        log_ml = np.where(active, np.asarray(msgs.log_ml), 0.0)
+        # the evaluation is one more exchange: the kernels out, the statistics back
+        return {"messages_up": n * (1 + evaluated), "messages_down": n * (1 + evaluated),
+                "bytes_up": n * (self._message_bytes(msgs) + evaluated * self._stats_bytes),
+                "bytes_down": n * (self._broadcast_bytes(before.server)
+                                   + evaluated * num_bytes(srv.kernels)),
+                "elbo": float(log_ml.sum()) if n else np.nan, "val_rmse": float(srv.score),
+                "evaluated": evaluated, "phase": 2 if bool(srv.done) else 1}
+
+    def _result(self, state: RunState, history: dict[str, np.ndarray],
+                rejected: list[tuple[int, str, str]]) -> FedBNRResult:
+        srv = state.server
+        best = int(srv.best_round)
+        if best == 0:
+            warnings.warn("no evaluation gave finite statistics: the result holds the initial "
+                          "kernels and the prior as last layer", RuntimeWarning, stacklevel=3)
+        stopped = bool(srv.done) and int(srv.stale) >= self.patience
+        return FedBNRResult(history=history, client_names=self._names, rejected=rejected,
+                            spec=self.spec, kernel=self.kernel, last_layer=self.last_layer,
+                            kernels=srv.best, layers=srv.last_layer, omega=srv.omega,
+                            best_round=best or None,
+                            rounds_to_convergence=int(srv.round) if stopped else None)
+
+    # -- running -------------------------------------------------------------------------------
+
+    def init(self, rng_key: Array, clients: Clients, *, validation: tuple | None = None,
+             kd_data: tuple | None = None, num_rounds: int | None = None) -> RunState:
+        """Check the data and set up the run. ``validation=(X, y)``: the server's validation
+        data (see the module doc); ``kd_data=(X, y)``: the server's distillation data (needed by
+        ``kernel="kd"`` and used by no other); ``num_rounds``: the planned last round, which is
+        evaluated in any case (``run`` passes its own; without it, only every ``eval_every``-th
+        round forms the last layer)."""
+        rng_key = _check_key(rng_key)
+        _check_clients(clients, self.spec.input_dim)
+        final = 0 if num_rounds is None else check_rounds(num_rounds)
+        validation = _check_server_data(validation, self.spec.input_dim, "validation")
+        if self.kernel == "kd" and kd_data is None:
+            raise ValueError("kernel='kd' needs kd_data=(X_kd, y_kd) held by the server")
+        if self.kernel != "kd" and kd_data is not None:
+            raise ValueError(f"kd_data is used only by kernel='kd', not {self.kernel!r}")
+        kd_data = _check_server_data(kd_data, self.spec.input_dim, "kd_data")
+        k_omega, k_init, k_run = jax.random.split(rng_key, 3)
+        run_clients = clients.pooled() if self.kernel == "central" else clients
+        state = super().init(rng_key, run_clients, keys=(k_omega, k_init), final_round=final,
+                             kd_data=kd_data, validation=validation)
+        return state._replace(rng_key=k_run)
+
+    def run(self, rng_key: Array, clients: Clients, num_rounds: int, *,
+            progress_bar: bool = True, validation: tuple | None = None,
+            kd_data: tuple | None = None) -> FedBNRResult:
+        """Up to ``num_rounds`` rounds (fewer if early stopping ends phase 1); the last layer is
+        formed at the latest at the last round."""
+        num_rounds = check_rounds(num_rounds)
+        state = self.init(rng_key, clients, validation=validation, kd_data=kd_data,
+                          num_rounds=num_rounds)
+        return self._loop(state, num_rounds, progress_bar, stop=lambda info: info["phase"] == 2)
 
 
-@jax.jit
-def _stats_all(kernels, omega, data, masks) -> exact.Stats:
-    """Statistics of every client under every kernel: leaves of shape ``(M, K, ...)``."""
-    X, y = data
+# -- checks: every argument and array before any compiled code runs --------------------------
 
-    def under(kernel):
-        return jax.vmap(alg.client_message, (None, None, 0, 0, 0))(kernel, omega, X, y, masks)
 
-    return jax.vmap(under)(kernels)
+def _first(tree: Any) -> Any:
+    return jax.tree_util.tree_map(lambda x: x[0], tree)
+
+
+def _choice(value: Any, options: tuple[str, ...], name: str) -> str:
+    if not isinstance(value, str) or value not in options:
+        raise ValueError(f"{name} must be one of {options}, got {value!r}")
+    return value
+
+
+def _count(value: Any, name: str) -> int:
+    if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < 1:
+        raise ValueError(f"{name} must be a positive integer, got {value!r}")
+    return int(value)
+
+
+def _number(value: Any, name: str, positive: bool = True) -> float:
+    ok = isinstance(value, (int, float, np.integer, np.floating)) and not isinstance(value, bool)
+    if not ok or not math.isfinite(value) or (value <= 0 if positive else value < 0):
+        kind = "a positive" if positive else "a non-negative"
+        raise ValueError(f"{name} must be {kind} finite number, got {value!r}")
+    return float(value)
+
+
+def _check_inputs(X: Any, input_dim: int, who: str) -> np.ndarray:
+    X = np.asarray(X)
+    if X.ndim != 2 or X.shape[1] != input_dim:
+        hint = " (one feature: X[:, None])" if X.ndim == 1 else ""
+        raise ValueError(f"{who}: inputs must have shape (n, {input_dim}), got {X.shape}{hint}")
+    _check_numbers(X, who, "inputs")
+    return X
+
+
+def _check_numbers(a: np.ndarray, who: str, what: str) -> None:
+    if not (np.issubdtype(a.dtype, np.number) or a.dtype == bool):
+        raise TypeError(f"{who}: {what} must be numbers, got dtype {a.dtype}")
+    if np.issubdtype(a.dtype, np.complexfloating) or not np.all(np.isfinite(a)):
+        raise ValueError(f"{who}: {what} must be finite real numbers")
+
+
+def _check_xy(X: Any, y: Any, input_dim: int, who: str) -> tuple[np.ndarray, np.ndarray]:
+    X, y = _check_inputs(X, input_dim, who), np.asarray(y)
+    if y.ndim != 1 or y.shape[0] != X.shape[0]:
+        raise ValueError(f"{who}: targets must have shape ({X.shape[0]},), got {y.shape}")
+    _check_numbers(y, who, "targets")
+    if X.shape[0] == 0:
+        raise ValueError(f"{who}: no data")
+    return X, y
+
+
+def _check_clients(clients: Any, input_dim: int) -> None:
+    if not isinstance(clients, Clients):
+        raise TypeError(f"clients must be a fedppl.Clients (see fedppl.partition), got "
+                        f"{type(clients).__name__}")
+    for name, data in zip(clients.names, clients.data, strict=True):
+        if len(data) != 2:
+            raise ValueError(f"{name}: FedBNR needs (X, y) on each client, got {len(data)} "
+                             "arrays")
+        _check_xy(*data, input_dim, name)
+
+
+def _check_server_data(data: Any, input_dim: int, name: str) -> tuple[Array, Array] | None:
+    if data is None:
+        return None
+    if not isinstance(data, (tuple, list)) or len(data) != 2:
+        raise TypeError(f"{name} must be a pair (X, y), got {type(data).__name__}")
+    X, y = _check_xy(*data, input_dim, name)
+    return jnp.asarray(X, float), jnp.asarray(y, float)

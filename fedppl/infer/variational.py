@@ -1,13 +1,23 @@
 """``PVI`` and ``GlobalVI``: run federated (or pooled) variational inference on a NumPyro model.
 
-Example::
+Example (logistic regression on 4 clients, against the pooled fit it converges to)::
 
-    >>> clients = fedppl.partition.homogeneous(X, y, num_clients=10, seed=0)
-    >>> pvi = fedppl.PVI(model, PVIGuide(model), schedule="synchronous", damping=0.5,
-    ...                  optimizer=optax.adam(1e-2), local_steps=200)
-    >>> result = pvi.run(jax.random.key(0), clients, num_rounds=20)
-    >>> samples = result.sample(jax.random.key(1), 1000)      # {"w": (1000, D)}
-    >>> reference = fedppl.GlobalVI(model, PVIGuide(model)).run(jax.random.key(0), clients)
+    >>> import jax, numpy as np, fedppl
+    >>> from fedppl.models import logistic_regression as model
+    >>> rng = np.random.default_rng(0)
+    >>> X = rng.normal(size=(200, 2))
+    >>> y = (rng.uniform(size=200) < 1 / (1 + np.exp(-X @ np.array([1.5, -1.0])))) * 1.0
+    >>> clients = fedppl.partition.homogeneous(X, y, num_clients=4, seed=0)
+    >>> pvi = fedppl.PVI(model, fedppl.PVIGuide(model), schedule="synchronous",
+    ...                  num_particles=32, elbo_samples=0)
+    >>> result = pvi.run(jax.random.key(0), clients, num_rounds=8, progress_bar=False)
+    >>> samples = result.sample(jax.random.key(1), 1000)
+    >>> samples["w"].shape
+    (1000, 2)
+    >>> reference = fedppl.GlobalVI(model, fedppl.PVIGuide(model), num_particles=32,
+    ...                             elbo_samples=0).run(jax.random.key(0), clients)
+    >>> bool(np.allclose(result.mean_and_cov()[0], reference.mean_and_cov()[0], atol=1e-3))
+    True
 """
 
 from __future__ import annotations
@@ -48,7 +58,8 @@ class PVIResult(Result):
     local step met its tolerance, ``local_iterations`` (rounds, K), ``kl_change`` the KL from
     the previous round's q to this round's (how far q still moves), ``elbo`` global ELBO
     estimate, ``messages_up``/``messages_down`` and ``bytes_up``/``bytes_down`` (per round),
-    ``seconds``. ``rejected`` lists ``(round, client, reason)`` for updates the server refused;
+    ``seconds``, ``step`` (rounds, K) the step each client's update was applied with (1 in
+    full, less when the server shrank it, 0 when it refused it). ``rejected`` lists ``(round, client, reason)`` for updates the server refused;
     ``unconverged`` lists ``(round, client)`` for local steps that stopped at their cap.
     """
 
@@ -311,6 +322,7 @@ class PVI(FederatedMethod):
         row = {"free_energy": np.where(active, np.asarray(msgs.free_energy), np.nan),
                "converged": np.where(active, np.asarray(msgs.converged, float), np.nan),
                "local_iterations": np.where(active, np.asarray(msgs.iterations, float), np.nan),
+               "step": np.where(active, np.asarray(steps, float), np.nan),
                "kl_change": float(_kl_change(q_new, q_old))}
         row["elbo"] = (float(self._elbo(after.server, after.clients, after.data, after.masks,
                                         rng_key)) if self._elbo is not None else np.nan)

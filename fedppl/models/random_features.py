@@ -13,15 +13,20 @@ with ``f`` a small neural feature map of the input and ``h`` a "distribution shi
 draws: ``h(omega) = omega / lengthscale + MLP(omega)``, so that ``f = identity`` and a zero MLP give
 exactly random Fourier features of an ARD kernel, SE for Gaussian base draws and Matérn-nu for
 Student-t base draws with ``2 nu`` degrees of freedom (Bochner's theorem). The base draws are
-fixed once (:func:`base_draws`); all weights live in one pytree, :class:`URKParams`, so they can be
-optimised, averaged (FedAvg) or registered as NumPyro params (:func:`urk_param`).
+fixed once (:func:`base_draws`); all weights live in one pytree, :class:`URKParams` (the networks
+are :class:`fedppl.models.networks.MLP`), so they can be optimised, averaged (FedAvg) or registered
+as NumPyro params (:func:`urk_param`).
 
 Example::
 
+    >>> import jax
     >>> spec = URKSpec(input_dim=4, feature_widths=(32, 8), num_samples=50)
     >>> params = init_urk(jax.random.key(0), spec)
     >>> omega = base_draws(jax.random.key(1), spec)
+    >>> X = jax.random.normal(jax.random.key(2), (10, 4))
     >>> Phi = urk_features(params, omega, X)          # (n, 2 * 50)
+    >>> Phi.shape
+    (10, 100)
     >>> K_hat = Phi @ Phi.T                           # URK Gram matrix
 """
 
@@ -31,16 +36,17 @@ from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import numpyro
 import numpyro.distributions as dist
 from jax import Array
 from numpyro.distributions import constraints
 
-__all__ = ["URKSpec", "URKParams", "init_urk", "base_draws", "urk_features", "rff_features",
+from fedppl.models.networks import MLP
+
+__all__ = ["URKSpec", "URKParams", "check_spec", "init_urk", "base_draws", "urk_features",
+           "rff_features",
            "urk_param", "feature_regression", "urk_regression"]
-
-Layers = tuple[tuple[Array, Array], ...]
-
 
 class URKSpec(NamedTuple):
     """Architecture of a URK.
@@ -67,71 +73,82 @@ class URKSpec(NamedTuple):
 
 
 class URKParams(NamedTuple):
-    feature: Layers  # MLP x -> R^omega_dim (empty: identity)
-    shift: Layers  # MLP omega -> R^omega_dim, added to omega / lengthscale
+    """The URK's weights: every leaf an array (a pytree to optimise, average or register)."""
+
+    feature: MLP  # x -> R^omega_dim (no layers: the identity)
+    shift: MLP | None  # omega -> R^omega_dim, added to omega / lengthscale (None: no shifter)
     log_lengthscale: Array  # (omega_dim,)
 
 
 _NU = {"matern12": 0.5, "matern32": 1.5, "matern52": 2.5}
+SPECTRAL = ("se", *_NU)
 
 
-def _init_mlp(key: Array, widths: tuple[int, ...], last_scale: float = 1.0) -> Layers:
-    layers = []
-    keys = jax.random.split(key, max(len(widths) - 1, 1))
-    for i, (a, b) in enumerate(zip(widths[:-1], widths[1:])):
-        scale = jnp.sqrt(2.0 / (a + b)) * (last_scale if i == len(widths) - 2 else 1.0)
-        layers.append((scale * jax.random.normal(keys[i], (a, b)), jnp.zeros(b)))
-    return tuple(layers)
+def _positive_int(value: object) -> bool:
+    return isinstance(value, (int, np.integer)) and not isinstance(value, bool) and value >= 1
 
 
-def _mlp(layers: Layers, x: Array) -> Array:
-    for i, (W, b) in enumerate(layers):
-        x = x @ W + b
-        if i < len(layers) - 1:
-            x = jnp.tanh(x)
-    return x
+def check_spec(spec: URKSpec) -> URKSpec:
+    """A clear error for a malformed architecture (before any weights are drawn)."""
+    if not isinstance(spec, URKSpec):
+        raise TypeError(f"spec must be a URKSpec, got {type(spec).__name__}")
+    if not _positive_int(spec.input_dim):
+        raise ValueError(f"URKSpec.input_dim must be a positive integer, got {spec.input_dim!r}")
+    for name in ("feature_widths", "shift_widths"):
+        widths = getattr(spec, name)
+        if not isinstance(widths, tuple) or not all(_positive_int(w) for w in widths):
+            raise ValueError(f"URKSpec.{name} must be a tuple of positive integers, got "
+                             f"{widths!r}")
+    if not _positive_int(spec.num_samples):
+        raise ValueError(f"URKSpec.num_samples must be a positive integer, got "
+                         f"{spec.num_samples!r}")
+    if spec.spectral not in SPECTRAL:
+        raise ValueError(f"spectral must be one of {SPECTRAL}, got {spec.spectral!r}")
+    return spec
 
 
 def init_urk(key: Array, spec: URKSpec, lengthscale: float = 1.0) -> URKParams:
     """Glorot-initialised weights; the shifter's MLP starts at zero output (pure RFF)."""
+    check_spec(spec)
     k1, k2 = jax.random.split(key)
-    feature = _init_mlp(k1, (spec.input_dim,) + spec.feature_widths) if spec.feature_widths else ()
+    feature = MLP((spec.input_dim, *spec.feature_widths), key=k1)
     d = spec.omega_dim
-    shift = _init_mlp(k2, (d,) + spec.shift_widths + (d,), last_scale=0.0) if spec.shift_widths else ()
+    shift = (MLP((d, *spec.shift_widths, d), key=k2, final_scale=0.0) if spec.shift_widths
+             else None)
     return URKParams(feature, shift, jnp.full(d, jnp.log(lengthscale)))
 
 
 def base_draws(key: Array, spec: URKSpec) -> Array:
     """The fixed random draws ``omega`` of shape ``(num_samples, omega_dim)``."""
+    check_spec(spec)
     k1, k2 = jax.random.split(key)
     z = jax.random.normal(k1, (spec.num_samples, spec.omega_dim))
     if spec.spectral == "se":
         return z
-    if spec.spectral not in _NU:
-        raise ValueError(f"spectral must be 'se' or one of {sorted(_NU)}, got {spec.spectral!r}")
     nu = _NU[spec.spectral]
     u = 2.0 * jax.random.gamma(k2, nu, (spec.num_samples, 1))  # chi-square with 2 nu dof
     return z * jnp.sqrt(2.0 * nu / u)
 
 
 def rff_features(omega: Array, X: Array, lengthscale: Array | float = 1.0) -> Array:
-    """Random Fourier features ``[cos(X W^T), sin(X W^T)] / sqrt(m)``, ``W = omega / lengthscale``."""
+    """Random Fourier features ``[cos(X W^T), sin(X W^T)] / sqrt(m)``,
+    ``W = omega / lengthscale``."""
     proj = X @ (omega / lengthscale).T
     return jnp.concatenate([jnp.cos(proj), jnp.sin(proj)], axis=-1) / jnp.sqrt(omega.shape[0])
 
 
 def urk_features(params: URKParams, omega: Array, X: Array) -> Array:
     """URK features ``(n, 2 m)`` of inputs ``X (n, input_dim)``; ``Phi @ Phi.T`` is the URK."""
-    fx = _mlp(params.feature, X) if params.feature else X
+    fx = params.feature(X)
     freq = omega * jnp.exp(-params.log_lengthscale)
-    if params.shift:
-        freq = freq + _mlp(params.shift, omega)
+    if params.shift is not None:
+        freq = freq + params.shift(omega)
     return rff_features(freq, fx)
 
 
 def urk_param(name: str, params: URKParams) -> URKParams:
-    """Register every weight of ``params`` as a NumPyro param (``name/feature/0/W`` ...) and
-    return the (possibly substituted) values, so a NumPyro model can learn the kernel."""
+    """Register every weight of ``params`` as a NumPyro param (``name/feature/layers/0/weight``,
+    ...) and return the (possibly substituted) values, so a NumPyro model can learn the kernel."""
     leaves, treedef = jax.tree_util.tree_flatten_with_path(params)
     values = []
     for path, leaf in leaves:

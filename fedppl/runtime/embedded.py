@@ -10,11 +10,19 @@ It drives any :class:`~fedppl.algorithms.trio.Trio`. A round is one compiled fun
   K times, each client on its own host copy of its arrays): the baseline that
   ``benchmarks/pvi_rounds.py`` compares ``vmap`` against, and the runtime for host-side trios.
 
-Example::
+Example (a toy trio: each client sends the sum of its data, the server adds them up)::
 
-    >>> round_fn = make_round(trio, schedule="synchronous")
-    >>> server, clients, messages, replies = round_fn(server, clients, data, masks, keys,
-    ...                                               active, server_key)
+    >>> import jax, jax.numpy as jnp
+    >>> from fedppl.algorithms.trio import Trio
+    >>> trio = Trio(lambda s, c, d, m, k, i: (jnp.sum(d * m), c + 1),
+    ...             lambda s, msgs, idx, ok, k, ev: (s + jnp.sum(jnp.where(ok, msgs, 0)), ok))
+    >>> round_fn = make_round(trio, schedule="sequential")
+    >>> data, masks = jnp.ones((3, 4)), jnp.ones((3, 4), bool)
+    >>> server, clients, messages, replies = round_fn(
+    ...     0.0, jnp.zeros(3), data, masks, jax.random.split(jax.random.key(0), 3),
+    ...     jnp.array([True, False, True]), jax.random.key(1))
+    >>> float(server), clients.tolist()
+    (8.0, [1.0, 0.0, 1.0])
 """
 
 from __future__ import annotations

@@ -8,19 +8,41 @@ import json
 __all__ = ["register", "run"]
 
 
+def _positive_int(text: str) -> int:
+    """An argparse type: a whole number >= 1 (``--rounds 0`` is refused before anything runs)."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"must be a positive integer, got {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be a positive integer, got {text!r}")
+    return value
+
+
+def _non_negative(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"must be a number, got {text!r}") from None
+    if not value >= 0 or value == float("inf"):
+        raise argparse.ArgumentTypeError(f"must be a non-negative finite number, got {text!r}")
+    return value
+
+
 def register(sub: argparse._SubParsersAction) -> None:
     """Add the ``fedbnr`` subcommand to ``fedppl``'s parser."""
     fb = sub.add_parser("fedbnr", help="FedBNR (random-feature GP, exact last layer) on a UCI "
                                        "folder: variants and ablations of the FedBNR paper")
     fb.add_argument("--data", required=True, help="a UCI dataset folder (data.txt, index_*.txt)")
-    fb.add_argument("--clients", type=int, default=10)
+    fb.add_argument("--clients", type=_positive_int, default=10)
     fb.add_argument("--variant", nargs="+", default=["avg"],
                     help="avg (FedBNR), kd (FedBNR-KD), central, local+local, local+global, "
                          "avg+local, kd+local, or all")
     fb.add_argument("--seed", type=int, default=0)
-    fb.add_argument("--rounds", type=int, default=20, help="aggregation rounds (20)")
-    fb.add_argument("--local-steps", type=int, default=20, help="full-batch steps per round")
-    fb.add_argument("--kd-alpha", type=float, default=5.0)
+    fb.add_argument("--rounds", type=_positive_int, default=20, help="aggregation rounds (20)")
+    fb.add_argument("--local-steps", type=_positive_int, default=20,
+                    help="full-batch steps per round")
+    fb.add_argument("--kd-alpha", type=_non_negative, default=5.0)
     fb.add_argument("--json", help="write the results here")
     fb.add_argument("--no-progress", action="store_true", help="hide progress bars")
 
@@ -28,10 +50,14 @@ def register(sub: argparse._SubParsersAction) -> None:
 def run(args: argparse.Namespace) -> None:
     import jax
 
-    from fedppl.experiments import fedbnr_uci
+    from fedppl_experiments import fedbnr_uci
 
-    jax.config.update("jax_enable_x64", True)
     variants = list(fedbnr_uci.VARIANTS) if args.variant == ["all"] else args.variant
+    unknown = [v for v in variants if v not in fedbnr_uci.VARIANTS]
+    if unknown:
+        raise SystemExit(f"fedppl fedbnr: unknown variants {unknown}; choose from "
+                         f"{sorted(fedbnr_uci.VARIANTS)} or all")
+    jax.config.update("jax_enable_x64", True)
     rows = fedbnr_uci.run(args.data, args.clients, variants, seed=args.seed, rounds=args.rounds,
                           local_steps=args.local_steps, kd_alpha=args.kd_alpha,
                           progress_bar=not args.no_progress)

@@ -4,11 +4,12 @@ import json
 from pathlib import Path
 
 import numpy as np
+import optax
 import pytest
 
 from fedppl.cli import main
-from fedppl_experiments import fedbnr_uci
 from fedppl.models.random_features import URKSpec
+from fedppl_experiments import fedbnr_uci
 
 
 @pytest.fixture
@@ -26,11 +27,11 @@ def uci_folder(tmp_path: Path) -> Path:
 def test_every_variant_reports_metrics_in_original_units(uci_folder):
     small = URKSpec(3, feature_widths=(6, 3), shift_widths=(), num_samples=10)
     rows = fedbnr_uci.run(str(uci_folder), 4, list(fedbnr_uci.VARIANTS), spec=small, rounds=2,
-                          local_steps=5, kd_steps=5)
+                          local_steps=5, kd_steps=5, optimizer=optax.adam(2e-2))
     assert set(rows) == set(fedbnr_uci.VARIANTS)
     for r in rows.values():
-        assert {"rmse", "log_lik", "ece", "mce", "brier"} <= set(r)
-        assert 0 < r["rmse"] < 10 and 0 <= r["ece"] <= r["mce"] <= 1
+        assert {"rmse", "log_lik", "ece", "mce", "brier", "rounds_to_convergence"} <= set(r)
+        assert 0 < r["rmse"] < 10 and 0 <= r["ece"] <= r["mce"] <= 1 and r["rounds"] == 2
     prep = fedbnr_uci.prepare(str(uci_folder), 4)
     assert prep.clients.sizes.sum() == 240 and len(prep.test[1]) == 30
     assert len(prep.kd_data[1]) == 24 and len(prep.kd_validation[1]) == 6
@@ -39,10 +40,31 @@ def test_every_variant_reports_metrics_in_original_units(uci_folder):
 def test_cli_writes_json(uci_folder, tmp_path, capsys):
     out = tmp_path / "r.json"
     assert main(["fedbnr", "--data", str(uci_folder), "--clients", "3", "--variant", "avg",
-                 "central", "--rounds", "2", "--local-steps", "3", "--json", str(out),
+                 "--rounds", "2", "--local-steps", "3", "--json", str(out),
                  "--no-progress"]) == 0
     assert "| avg |" in capsys.readouterr().out
-    assert set(json.loads(out.read_text())["results"]) == {"avg", "central"}
+    results = json.loads(out.read_text())["results"]
+    assert set(results) == {"avg"}
+    assert "rounds_to_convergence" in results["avg"]
+
+
+@pytest.mark.parametrize("flags,message", [
+    (["--rounds", "0"], "argument --rounds: must be a positive integer, got '0'"),
+    (["--rounds", "2.5"], "argument --rounds: must be a positive integer"),
+    (["--clients", "-1"], "argument --clients: must be a positive integer"),
+    (["--local-steps", "0"], "argument --local-steps: must be a positive integer"),
+    (["--kd-alpha", "-1"], "argument --kd-alpha: must be a non-negative"),
+    (["--kd-alpha", "nan"], "argument --kd-alpha: must be a non-negative"),
+])
+def test_cli_refuses_bad_flags(uci_folder, flags, message, capsys):
+    with pytest.raises(SystemExit):
+        main(["fedbnr", "--data", str(uci_folder), *flags])
+    assert message in capsys.readouterr().err
+
+
+def test_cli_refuses_unknown_variants(uci_folder):
+    with pytest.raises(SystemExit, match="unknown variants"):
+        main(["fedbnr", "--data", str(uci_folder), "--variant", "fedprox"])
 
 
 def test_unknown_variant(uci_folder):

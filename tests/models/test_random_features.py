@@ -55,7 +55,7 @@ def test_neural_urk_is_a_valid_kernel_and_starts_as_rff_on_f(X):
     assert np.all(np.linalg.eigvalsh(np.asarray(Phi @ Phi.T)) > -1e-10)
     np.testing.assert_allclose(np.diag(Phi @ Phi.T), 1.0, rtol=1e-12)  # |z|^2 = cos^2 + sin^2
     # the shifter's MLP starts at zero: features equal plain RFF on f(x)
-    fx = rf._mlp(params.feature, X)
+    fx = params.feature(X)
     np.testing.assert_allclose(Phi, rf.rff_features(omega, fx), rtol=1e-12)
 
 
@@ -65,13 +65,33 @@ def test_urk_weights_are_numpyro_params(X):
     omega = rf.base_draws(jax.random.key(1), spec)
     tr = handlers.trace(handlers.seed(rf.urk_regression, 0)).get_trace(X, omega=omega, init=init)
     names = [n for n, s in tr.items() if s["type"] == "param"]
-    assert "urk/feature/0/0" in names and "noise" in names and "prior_scale" in names
+    assert "urk/feature/layers/0/weight" in names and "noise" in names
+    assert "prior_scale" in names and "urk/shift/layers/1/bias" in names
     zero = {n: jnp.zeros_like(tr[n]["value"]) for n in names if n.startswith("urk/feature")}
     sub = handlers.trace(handlers.seed(handlers.substitute(rf.urk_regression, data=zero), 0)
                          ).get_trace(X, omega=omega, init=init)
-    assert float(jnp.abs(sub["urk/feature/0/0"]["value"]).max()) == 0.0
+    assert float(jnp.abs(sub["urk/feature/layers/0/weight"]["value"]).max()) == 0.0
 
 
-def test_unknown_spectral_family():
-    with pytest.raises(ValueError, match="spectral"):
-        rf.base_draws(jax.random.key(0), rf.URKSpec(2, spectral="cauchy"))
+@pytest.mark.parametrize("spec,match", [
+    (rf.URKSpec(2, spectral="cauchy"), "spectral must be one of"),
+    (rf.URKSpec(0), "input_dim must be a positive integer"),
+    (rf.URKSpec(2.5), "input_dim must be a positive integer"),
+    (rf.URKSpec(2, feature_widths=(8, 0)), "feature_widths must be a tuple of positive"),
+    (rf.URKSpec(2, shift_widths=[4]), "shift_widths must be a tuple of positive"),
+    (rf.URKSpec(2, num_samples=-3), "num_samples must be a positive integer"),
+])
+def test_malformed_specs_are_refused(spec, match):
+    with pytest.raises(ValueError, match=match):
+        rf.base_draws(jax.random.key(0), spec)
+    with pytest.raises(ValueError, match=match):
+        rf.init_urk(jax.random.key(0), spec)
+
+
+def test_identity_feature_map_and_no_shifter():
+    spec = rf.URKSpec(3, feature_widths=(), shift_widths=(), num_samples=4)
+    params = rf.init_urk(jax.random.key(0), spec)
+    assert params.shift is None and params.feature.layers == ()
+    X = jnp.arange(6.0).reshape(2, 3)
+    omega = rf.base_draws(jax.random.key(1), spec)
+    np.testing.assert_array_equal(rf.urk_features(params, omega, X), rf.rff_features(omega, X))
