@@ -124,7 +124,7 @@ def timing(clients: list[int], repeats: int, local_steps: int, inducing: int) ->
     client. Each client's step needs every other client's pseudo-points at its own (beta, Z)
     sample, so a round costs O(K * sum_k M_k * M^2) per local step: quadratic in K."""
     from fedppl import partition
-    from fedppl.infer.sparse_gps import SGPConfig, fit_sgp
+    from fedppl.infer.sparse_gps import FederatedSGP, SGPConfig
 
     out = {}
     for k in clients:
@@ -133,8 +133,8 @@ def timing(clients: list[int], repeats: int, local_steps: int, inducing: int) ->
         y = np.sin(2 * X[:, 0]) + 0.1 * rng.normal(size=len(X))
         cfg = SGPConfig(num_inducing=inducing, schedule="synchronous", local_steps=local_steps,
                         damping=1.0 / max(k, 1) ** 0.5)
-        res = fit_sgp("dpo", partition.homogeneous(X, y, k), repeats + 1, cfg,
-                      key=jax.random.key(0))
+        res = FederatedSGP("dpo", cfg).run(jax.random.key(0), partition.homogeneous(X, y, k),
+                                           repeats + 1, progress_bar=False)
         out[k] = float(np.median(np.asarray(res.history["seconds"])[1:]))  # drop compile round
         print(f"K={k}: {out[k]:.4f} s per synchronous round", flush=True)
     return out
@@ -185,7 +185,7 @@ def main() -> None:
             done = [(name, split, f.result()) for name, split, f in futures]
     else:
         done = [(name, split, one(folder, split, args)) for name, folder, split in tasks]
-    for name, split, rows in done:
+    for name, _, rows in done:
         results[name].append(rows)
     speeds = timing(args.timing_clients, args.timing_repeats, args.timing_local_steps,
                     args.timing_inducing) if args.timing_clients else {}
@@ -196,7 +196,8 @@ def write(args: argparse.Namespace, results: dict, speeds: dict, meta: dict) -> 
     methods = list(next(iter(results.values()))[0]) if results else args.methods
     parts = []
     if results:
-        parts += ["### test log-likelihood (original units)\n\n" + table(results, methods, "log_lik"),
+        parts += ["### test log-likelihood (original units)\n\n"
+                  + table(results, methods, "log_lik"),
                   "### test log-likelihood minus global VI's (nats)\n\n"
                   + gap_table(results, methods),
                   "### test RMSE (original units)\n\n" + table(results, methods, "rmse"),

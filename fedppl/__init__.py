@@ -18,17 +18,28 @@ Example::
 
 from fedppl import datasets, families, handlers, metrics, partition
 from fedppl.clients import Clients
-from fedppl.infer.bayesian_regression import FedBNR
-from fedppl.infer.co_training import CoTraining, CoTrainingResult
-from fedppl.infer.fedavg_gp import FSGP, FSGPConfig, FSGPResult
-from fedppl.infer.multitask_gp import PFedMul, PFedMulResult
 from fedppl.guides import PVIGuide
-from fedppl.infer.variational import PVI, GlobalVI, PVIResult
-from fedppl.infer.sparse_gps import FederatedSGP, SGPConfig, SGPResult
+from fedppl.infer import (
+    FSGP,
+    PVI,
+    CoTraining,
+    CoTrainingResult,
+    FedBNR,
+    FedBNRResult,
+    FederatedSGP,
+    FSGPConfig,
+    FSGPResult,
+    GlobalVI,
+    PFedMul,
+    PFedMulResult,
+    PVIResult,
+    SGPConfig,
+    SGPResult,
+)
 
 __version__ = "0.1.0"
 
-__all__ = ["PFedMul", "PFedMulResult",
-           "PVI", "GlobalVI", "PVIResult", "PVIGuide", "FedBNR", "fit_sgp", "SGPConfig",
-           "fit_fsgp", "FSGPConfig", "CoTraining", "CoTrainingResult", "Clients", "partition",
-           "handlers", "families", "metrics", "datasets", "__version__"]
+__all__ = ["PVI", "GlobalVI", "PVIResult", "PVIGuide", "FederatedSGP", "SGPConfig",
+           "SGPResult", "FSGP", "FSGPConfig", "FSGPResult", "FedBNR", "FedBNRResult", "PFedMul",
+           "PFedMulResult", "CoTraining", "CoTrainingResult", "Clients", "partition", "handlers",
+           "families", "metrics", "datasets", "__version__"]

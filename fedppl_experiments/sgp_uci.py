@@ -1,4 +1,4 @@
-"""Federated sparse GPs on a UCI regression folder: the protocol of the federated SGP paper (Sec. 6.2).
+"""Federated sparse GPs on a UCI regression folder: the federated SGP paper's protocol (Sec. 6.2).
 
 The standard train/test split ``split`` of the folder is standardised with the training statistics,
 and the training part is dealt to ``num_clients`` clients at random (homogeneous partition). Each
@@ -6,26 +6,27 @@ method of :data:`METHODS` is fitted and scored on the test set in original units
 test log-likelihood of the Monte Carlo predictive), with the rounds it took to converge and its
 seconds per round.
 
-Methods: ``dpo``, ``cpo``, ``fedavg-z``, ``fixed`` and ``global`` are :func:`fedppl.sgp.fit_sgp`;
-``fsgp`` is :func:`fedppl.fsgp.fit_fsgp` (FedAvg of the Titsias bound; its ``rounds`` are FedAvg
-rounds of ``local_steps`` on every client).
+Methods: ``dpo``, ``cpo``, ``fedavg-z``, ``fixed`` and ``global`` are :class:`fedppl.FederatedSGP`;
+``fsgp`` is :class:`fedppl.FSGP` (FedAvg of the Titsias bound; its ``rounds`` are FedAvg rounds
+of ``local_steps`` on every client, then the aggregation of inducing statistics).
 
-Example::
+Example (with the UCI folders of ``../shared/data/uci``)::
 
-    >>> rows = run("../shared/data/uci/concrete", split=0, num_clients=10, methods=["dpo", "global"],
-    ...            num_rounds=100)
-    >>> rows["dpo"]["log_lik"], rows["dpo"]["rmse"]
+    rows = run("../shared/data/uci/concrete", split=0, num_clients=10,
+               methods=["dpo", "global"], num_rounds=100)
+    rows["dpo"]["log_lik"], rows["dpo"]["rmse"], rows["dpo"]["rounds_to_convergence"]
 """
 
 from __future__ import annotations
 
 import time
-from typing import Any, Callable, NamedTuple, Sequence
+from collections.abc import Sequence
+from typing import Any, NamedTuple
 
 import jax
 import numpy as np
 
-from fedppl import metrics, partition
+from fedppl import partition
 from fedppl.clients import Clients
 from fedppl.datasets import Standardiser, load_uci
 
@@ -57,24 +58,18 @@ def prepare(path: str, split: int, num_clients: int, seed: int = 0,
 
 
 def fit_one(method: str, prep: Prepared, num_rounds: int, config: Any = None, seed: int = 0,
-            callback: Callable[[int, dict], None] | None = None) -> dict[str, Any]:
+            progress_bar: bool = False) -> dict[str, Any]:
     """Fit one method and score it; returns a flat dict of metrics and the history."""
+    from fedppl.infer.fedavg_gp import FSGP, FSGPConfig
+    from fedppl.infer.sparse_gps import FederatedSGP, SGPConfig
+
+    if method not in METHODS:
+        raise ValueError(f"unknown method {method!r}; choose from {METHODS}")
     key = jax.random.key(seed)
     start = time.perf_counter()
-    if method == "fsgp":
-        from fedppl.infer.fedavg_gp import FSGPConfig, fit_fsgp
-
-        result = fit_fsgp(prep.clients, num_rounds, config or FSGPConfig(), key=key,
-                          callback=callback)
-        monitored = "bound"
-    elif method in METHODS:
-        from fedppl.infer.sparse_gps import SGPConfig, fit_sgp
-
-        result = fit_sgp(method, prep.clients, num_rounds, config or SGPConfig(), key=key,
-                         callback=callback)
-        monitored = "free_energy"
-    else:
-        raise ValueError(f"unknown method {method!r}; choose from {METHODS}")
+    front = (FSGP(config or FSGPConfig()) if method == "fsgp"
+             else FederatedSGP(method, config or SGPConfig()))
+    result = front.run(key, prep.clients, num_rounds, progress_bar=progress_bar)
     seconds = time.perf_counter() - start
     X, y = prep.test
     scale = dict(y_mean=float(prep.scaler.y_mean), y_std=float(prep.scaler.y_std))
@@ -82,29 +77,13 @@ def fit_one(method: str, prep: Prepared, num_rounds: int, config: Any = None, se
         ll, err = result.log_likelihood(X, y, **scale), result.rmse(X, y, **scale)
     else:
         k = jax.random.key(seed + 1)
-        ll, err = result.log_likelihood(X, y, key=k, **scale), result.rmse(X, y, key=k, **scale)
+        ll, err = (result.log_likelihood(X, y, rng_key=k, **scale),
+                   result.rmse(X, y, rng_key=k, **scale))
     history = {k: np.asarray(v).tolist() for k, v in result.history.items()}
     return {"method": method, "log_lik": float(ll), "rmse": float(err),
-            "rounds": num_rounds, "rounds_to_convergence": _converged(history.get(monitored)),
-            "seconds": seconds, "seconds_per_round": _per_round(history, seconds, num_rounds),
+            "rounds": num_rounds, "rounds_to_convergence": result.rounds_to_convergence(),
+            "seconds": seconds, "seconds_per_round": float(np.median(result.history["seconds"])),
             "history": history}
-
-
-def _per_round(history: dict, seconds: float, num_rounds: int) -> float:
-    """Median seconds per round from the history, else the wall time divided by the rounds."""
-    times = history.get("seconds")
-    return float(np.median(times)) if times else seconds / max(num_rounds, 1)
-
-
-def _converged(values: Sequence[float] | None, rel_tol: float = 0.01) -> int | None:
-    """First round after which the monitored objective stays within ``rel_tol`` of its final
-    value (relative to the range it covered); ``None`` without a history."""
-    if not values:
-        return None
-    v = np.asarray(values, dtype=float)
-    if not np.all(np.isfinite(v)):
-        return None
-    return metrics.rounds_to_convergence(v, rel_tol * max(np.ptp(v), 1e-12))
 
 
 def run(path: str, split: int = 0, num_clients: int = 10, methods: Sequence[str] = METHODS,
@@ -112,23 +91,9 @@ def run(path: str, split: int = 0, num_clients: int = 10, methods: Sequence[str]
         max_train: int | None = None, progress_bar: bool = True,
         rounds: dict[str, int] | None = None) -> dict[str, dict[str, Any]]:
     """Fit and score every method on one split (see module doc); ``configs`` maps a method
-    to its :class:`~fedppl.sgp.SGPConfig` or :class:`~fedppl.fsgp.FSGPConfig`, ``rounds`` to a
+    to its :class:`~fedppl.SGPConfig` or :class:`~fedppl.FSGPConfig`, ``rounds`` to a
     number of rounds other than ``num_rounds`` (e.g. fewer optimisation rounds for ``global``)."""
     prep = prepare(path, split, num_clients, seed=seed, max_train=max_train)
-    rows = {}
-    for method in methods:
-        n = (rounds or {}).get(method, num_rounds)
-        bar = _bar(progress_bar, n, method)
-        rows[method] = fit_one(method, prep, n, (configs or {}).get(method), seed,
-                               callback=(lambda i, info: bar.update(1)) if bar else None)
-        if bar:
-            bar.close()
-    return rows
-
-
-def _bar(enabled: bool, total: int, name: str):
-    if not enabled:
-        return None
-    from tqdm.auto import tqdm
-
-    return tqdm(total=total, desc=name, leave=False)
+    return {method: fit_one(method, prep, (rounds or {}).get(method, num_rounds),
+                            (configs or {}).get(method), seed, progress_bar)
+            for method in methods}

@@ -26,11 +26,11 @@ import jax
 import matplotlib
 
 matplotlib.use("Agg")
-import matplotlib.pyplot as plt  # noqa: E402
-import numpy as np  # noqa: E402
+import matplotlib.pyplot as plt
+import numpy as np
 
-from fedppl_experiments.sgp_synthetic import TRUE_HYPER, five_partitions, inducing_drift  # noqa: E402
-from fedppl.infer.sparse_gps import SGPConfig, fit_sgp  # noqa: E402
+from fedppl.infer.sparse_gps import FederatedSGP, SGPConfig
+from fedppl_experiments.sgp_synthetic import TRUE_HYPER, five_partitions, inducing_drift
 
 jax.config.update("jax_enable_x64", True)
 
@@ -41,8 +41,9 @@ config = SGPConfig(num_inducing=15, local_steps=300 if FULL else 100,
 
 fits, drift = {}, {}
 for method in ("dpo", "fedavg-z"):
+    sgp = FederatedSGP(method, config)  # one compiled round per method
     for rounds in (10, 20):
-        res = fit_sgp(method, data.clients, rounds, config, key=jax.random.key(0))
+        res = sgp.run(jax.random.key(0), data.clients, rounds, progress_bar=False)
         fits[method, rounds] = res
         drift[method, rounds] = inducing_drift(np.asarray(res.inducing()[0]), data.X)
 
@@ -50,27 +51,27 @@ print("| method | communications | mean distance of Z to data | share of Z > 1 l
       " test log-lik (f) |")
 print("|---|---:|---:|---:|---:|")
 for (method, rounds), res in fits.items():
-    mean, var = res.predict(data.X_test, key=jax.random.key(1))
+    mean, var = res.predict(data.X_test, rng_key=jax.random.key(1))
     mean, var = np.asarray(mean), np.asarray(var)
     ll = np.mean(-0.5 * np.log(2 * np.pi * var) - 0.5 * (data.f_test - mean) ** 2 / var)
     d = drift[method, rounds]
     print(f"| {method} | {rounds} | {d['mean']:.3f} | {d['far']:.2f} | {ll:.3f} |")
 
 fig, axes = plt.subplots(2, 2, figsize=(11, 6), sharex=True, sharey=True)
-for ax, ((method, rounds), res) in zip(axes.T.ravel(), fits.items()):
-    mean, var = (np.asarray(a) for a in res.predict(data.X_test, key=jax.random.key(1)))
+for ax, ((method, rounds), res) in zip(axes.T.ravel(), fits.items(), strict=True):
+    mean, var = (np.asarray(a) for a in res.predict(data.X_test, rng_key=jax.random.key(1)))
     sd = np.sqrt(var)
     for k, (Xk, yk) in enumerate(data.clients.data):
         ax.plot(Xk[:, 0], yk, ".", ms=3, color=f"C{k}")
     ax.plot(data.X_test[:, 0], data.f_test, "k:", lw=1, label="truth")
     ax.plot(data.X_test[:, 0], mean, "k", lw=1.5, label="posterior mean")
     ax.fill_between(data.X_test[:, 0], mean - 2 * sd, mean + 2 * sd, color="k", alpha=0.15)
-    Z = np.asarray(res.inducing()[0])[:, 0]
+    z = np.asarray(res.inducing()[0])[:, 0]
     lo, hi = data.X_test[0, 0] - 0.3, data.X_test[-1, 0] + 0.3
-    inside = (Z > lo) & (Z < hi)
-    ax.plot(Z[inside], np.full(inside.sum(), -3.6), "k^", ms=6)
-    ax.plot(np.full((Z < lo).sum(), lo + 0.05), np.full((Z < lo).sum(), -3.6), "k<", ms=7)
-    ax.plot(np.full((Z > hi).sum(), hi - 0.05), np.full((Z > hi).sum(), -3.6), "k>", ms=7)
+    inside = (z > lo) & (z < hi)
+    ax.plot(z[inside], np.full(inside.sum(), -3.6), "k^", ms=6)
+    ax.plot(np.full((z < lo).sum(), lo + 0.05), np.full((z < lo).sum(), -3.6), "k<", ms=7)
+    ax.plot(np.full((z > hi).sum(), hi - 0.05), np.full((z > hi).sum(), -3.6), "k>", ms=7)
     ax.set_xlim(lo, hi)
     name = "PVI + HVM (DPO)" if method == "dpo" else "FedAvg-Z (DPO)"
     ax.set_title(f"{name}, {rounds} communications")

@@ -1,44 +1,62 @@
 """PVI for sparse GPs with a hierarchical variational model over the inducing locations.
 
-Pure functions on a :class:`SGPState` (every client's factors stacked on axis 0):
+The server's :class:`ServerState` holds the priors and every client's factors, stacked on axis 0
+(each client's cavity over ``u`` needs the others' pseudo-observations at its own draw of
+``(beta, Z)``, so the server broadcasts them); a client keeps nothing between rounds
+(:class:`ClientState` is empty). The trio (:func:`make_trio`, run by
+:func:`fedppl.runtime.make_round`):
 
-* :func:`init` builds the prior, the initial factors and the pseudo-observations;
 * :func:`client_update` maximises client ``k``'s local free energy (Eq. 7 of the paper, with the
-  alpha-scaled Z KL) over its own factor parameters with Adam under ``lax.scan`` and returns a
-  :class:`Message` (its new ``t_k(beta)``, ``t_k(Z)``, pseudo-observations and, for FedAvg-Z, its
-  local Z); the server sends it every other client's factors (pseudo-observations included);
+  alpha-scaled Z KL) over its own factor parameters with any optax optimiser
+  (:func:`fedppl.algorithms.optimise.minimise`), leaving out its own factors from the cavity by
+  its ``index``, and returns a :class:`Message` (its new ``t_k(beta)``, ``t_k(Z)``,
+  pseudo-observations and, for FedAvg-Z, its local Z);
 * :func:`server_update` accepts finite, proper updates, damps and stores them, and averages Z
-  for FedAvg-Z (Alg. 1); a rejected client leaves the state untouched.
+  for FedAvg-Z (Alg. 1); a rejected client's factors stay as they were.
 
 ``Spec.z_mode``: ``"hvm"`` (q(Z), PVI on its factors), ``"fixed"`` (Z a fixed point) or
 ``"train"`` (Z a point optimised by the client: FedAvg-Z, and global VI with one client).
+The Gaussian algebra (q = prior x prod t, cavities, damping, KL) is
+:mod:`fedppl.families.gaussian`'s.
 
-Example::
+Example (one sequential step by hand; :class:`fedppl.FederatedSGP` runs the rounds)::
 
-    >>> state = init(spec, key, X_stack, mask, sizes, num_inducing=20, ...)
-    >>> msg, fe = client_update(spec, state, k, (X_stack[k], y_stack[k], mask[k]), key)
-    >>> state, ok = server_update(spec, state, expand(msg), jnp.array([k]))
+    >>> import jax, jax.numpy as jnp, numpy as np, optax
+    >>> X = np.random.default_rng(0).normal(size=(2, 6, 1))
+    >>> spec = Spec(local_steps=3, input_dim=1)
+    >>> state = init(spec, jax.random.key(0), X, np.ones((2, 6), bool), np.array([6, 6]),
+    ...              num_inducing=3, num_pseudo=np.array([4, 4]))
+    >>> data = (jnp.asarray(X[0]), jnp.sin(jnp.asarray(X[0, :, 0])), jnp.ones(6, bool))
+    >>> msg = client_update(spec, optax.adam(1e-2), state, 0, data, jax.random.key(1))
+    >>> state, ok = server_update(spec, state, expand(msg), jnp.array([0]))
+    >>> bool(ok[0]), msg.pseudo.V.shape
+    (True, (4, 1))
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from functools import partial
-from typing import NamedTuple
+from typing import Any, NamedTuple, cast
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
+from jax import Array
 from numpyro.infer import TraceMeanField_ELBO
 
 from fedppl.algorithms import fedavg
-from fedppl.families.gaussian import DiagGaussian, to_moments
+from fedppl.algorithms.optimise import minimise
+from fedppl.algorithms.trio import Trio
+from fedppl.families import gaussian as g
 from fedppl.guides import sgp_guide as sg
 from fedppl.handlers.tempered import tempered
 from fedppl.models import sparse_gp as sgp
 
-__all__ = ["Spec", "SGPState", "Message", "init", "client_update", "server_update",
-           "free_energy", "sample_q", "predictive_samples", "expand"]
+__all__ = ["Spec", "ServerState", "ClientState", "Message", "init", "q_beta", "q_z", "cavity",
+           "local_free_energy", "client_update", "server_update", "make_trio", "free_energy",
+           "sample_q", "sample_u", "predictive_samples", "expand"]
 
 
 class Spec(NamedTuple):
@@ -50,7 +68,6 @@ class Spec(NamedTuple):
     z_mode: str = "hvm"          # hvm | fixed | train
     learn_hyper: bool = True
     alpha: float = 0.1
-    learning_rate: float = 1e-2
     local_steps: int = 200
     inner_steps: int = 0         # FedAvg-Z: joint (factor, Z) steps after local_steps
     num_samples: int = 1
@@ -59,40 +76,51 @@ class Spec(NamedTuple):
     jitter: float = sgp.JITTER   # relative jitter on K_ZZ
 
 
-class SGPState(NamedTuple):
-    beta_prior: DiagGaussian     # over log beta, (P,)
-    t_beta: DiagGaussian         # (K, P)
-    z_prior: DiagGaussian        # p~(Z) = N(0, I), (M, D)
-    t_z: DiagGaussian            # (K, M, D)
-    z_point: jax.Array           # (M, D): the point Z of fixed / train modes
-    log_beta_fixed: jax.Array    # (P,): used when not spec.learn_hyper
+class ServerState(NamedTuple):
+    beta_prior: g.DiagGaussian   # over log beta, (P,)
+    t_beta: g.DiagGaussian       # (K, P)
+    z_prior: g.DiagGaussian      # p~(Z) = N(0, I), (M, D)
+    t_z: g.DiagGaussian          # (K, M, D)
+    z_point: Array               # (M, D): the point Z of fixed / train modes
+    log_beta_fixed: Array        # (P,): used when not spec.learn_hyper
     pseudo: sg.Pseudo            # stacked (K, ...)
-    pseudo_mask: jax.Array       # (K, M_max) booleans
-    sizes: jax.Array             # (K,) data counts
-    round: jax.Array
+    pseudo_mask: Array           # (K, M_max) booleans
+    sizes: Array                 # (K,) data counts
+    round: Array
+
+
+class ClientState(NamedTuple):
+    """A client keeps nothing between rounds: its factors live in the server's broadcast."""
 
 
 class Message(NamedTuple):
-    """What client k sends: new factors over beta and Z, its pseudo-observations, its local Z."""
+    """What client k sends: new factors over beta and Z, its pseudo-observations, its local Z
+    (FedAvg-Z) and the local free energy it reached."""
 
-    t_beta: DiagGaussian
-    t_z: DiagGaussian
+    t_beta: g.DiagGaussian
+    t_z: g.DiagGaussian
     pseudo: sg.Pseudo
-    z_point: jax.Array
+    z_point: Array
+    free_energy: Array
 
 
-def expand(tree):
+def expand(tree: Any) -> Any:
     """Add a leading axis of length 1 (a single sequential message)."""
     return jax.tree_util.tree_map(lambda x: x[None], tree)
+
+
+def _take(tree: Any, k: Any) -> Any:
+    return jax.tree_util.tree_map(lambda x: x[k], tree)
 
 
 # -- initialisation ------------------------------------------------------------------------------
 
 
-def init(spec: Spec, key: jax.Array, X_stack: np.ndarray, mask: np.ndarray, sizes: np.ndarray,
+def init(spec: Spec, key: Array, X_stack: np.ndarray, mask: np.ndarray, sizes: np.ndarray,
          num_inducing: int, num_pseudo: np.ndarray, init_precision: float = 100.0,
          pseudo_from_data: bool = True, z_init: np.ndarray | None = None,
-         log_beta_fixed: np.ndarray | None = None, pseudo: sg.Pseudo | None = None) -> SGPState:
+         log_beta_fixed: np.ndarray | None = None, pseudo: sg.Pseudo | None = None
+         ) -> ServerState:
     """Initial state (App. D). q(beta) starts at mean 0 (beta = 1) with precision
     ``init_precision``, q(Z) at mean ``Z0 ~ N(0, I)`` (a random draw: all-zero means would make
     the inducing points coincide) with precision ``init_precision``; the precision above the
@@ -102,14 +130,14 @@ def init(spec: Spec, key: jax.Array, X_stack: np.ndarray, mask: np.ndarray, size
     rng = np.random.default_rng(int(jax.random.randint(key, (), 0, 2**31 - 1)))
     Z0 = rng.standard_normal((num_inducing, D)) if z_init is None else np.asarray(z_init, float)
     share = max(init_precision - 1.0, 0.0) / K
-    t_beta = DiagGaussian(jnp.zeros((K, P)), jnp.full((K, P), share))
-    t_z = DiagGaussian(jnp.broadcast_to(Z0 * (1.0 + share * K) / K, (K,) + Z0.shape),
-                       jnp.full((K,) + Z0.shape, share))
+    t_beta = g.DiagGaussian(jnp.zeros((K, P)), jnp.full((K, P), share))
+    t_z = g.DiagGaussian(jnp.broadcast_to(Z0 * (1.0 + share * K) / K, (K, *Z0.shape)),
+                         jnp.full((K, *Z0.shape), share))
     if pseudo is not None:
         pmask = np.asarray(mask)
     elif spec.factor == "cpo":
         one = sg.init_cpo(num_inducing, D)
-        pseudo = jax.tree_util.tree_map(lambda a: np.broadcast_to(a, (K,) + a.shape), one)
+        pseudo = jax.tree_util.tree_map(lambda a: np.broadcast_to(a, (K, *a.shape)), one)
         pmask = np.ones((K, num_inducing), bool)
     else:
         m_max = int(np.max(num_pseudo))
@@ -118,73 +146,78 @@ def init(spec: Spec, key: jax.Array, X_stack: np.ndarray, mask: np.ndarray, size
         pseudo = jax.tree_util.tree_map(lambda *a: np.stack(a), *[p for p, _ in parts])
         pmask = np.stack([m for _, m in parts])
     fixed = np.zeros(P) if log_beta_fixed is None else np.asarray(log_beta_fixed, float)
-    return SGPState(DiagGaussian(jnp.zeros(P), jnp.ones(P)), t_beta,
-                    DiagGaussian(jnp.zeros(Z0.shape), jnp.ones(Z0.shape)), t_z, jnp.asarray(Z0),
-                    jnp.asarray(fixed), jax.tree_util.tree_map(jnp.asarray, pseudo),
-                    jnp.asarray(pmask), jnp.asarray(sizes), jnp.asarray(0))
+    return ServerState(g.DiagGaussian(jnp.zeros(P), jnp.ones(P)), t_beta,
+                       g.DiagGaussian(jnp.zeros(Z0.shape), jnp.ones(Z0.shape)), t_z,
+                       jnp.asarray(Z0), jnp.asarray(fixed),
+                       jax.tree_util.tree_map(jnp.asarray, pseudo), jnp.asarray(pmask),
+                       jnp.asarray(sizes), jnp.asarray(0))
 
 
 # -- q and cavities ------------------------------------------------------------------------------
 
 
-def _q(prior: DiagGaussian, t: DiagGaussian) -> DiagGaussian:
-    return DiagGaussian(prior.nat1 + t.nat1.sum(0), prior.prec + t.prec.sum(0))
+def _q(prior: g.DiagGaussian, t: g.DiagGaussian) -> g.DiagGaussian:
+    """``prior x prod_k t_k`` for factors stacked on axis 0."""
+    return cast(g.DiagGaussian, g.product(prior, jax.tree_util.tree_map(lambda x: x.sum(0), t)))
 
 
-def _cavity(prior: DiagGaussian, t: DiagGaussian, k) -> DiagGaussian:
-    q = _q(prior, t)
-    return DiagGaussian(q.nat1 - t.nat1[k], q.prec - t.prec[k])
+def q_beta(state: ServerState) -> g.DiagGaussian:
+    """``q(log beta)``."""
+    return _q(state.beta_prior, state.t_beta)
 
 
-def _proper(cav: DiagGaussian, q: DiagGaussian, floor: float = 1e-2) -> DiagGaussian:
+def q_z(state: ServerState) -> g.DiagGaussian:
+    """``q(Z)`` (over the ``(M, D)`` inducing locations, fully factorised)."""
+    return _q(state.z_prior, state.t_z)
+
+
+def cavity(prior: g.DiagGaussian, t: g.DiagGaussian, k: Any) -> g.DiagGaussian:
+    """``q / t_k``: q without client ``k``'s factor."""
+    return cast(g.DiagGaussian, g.quotient(_q(prior, t), _take(t, k)))
+
+
+def _proper(cav: g.DiagGaussian, q: g.DiagGaussian, floor: float = 1e-2) -> g.DiagGaussian:
     """The cavity with its precision floored at ``floor`` where it is not proper (possible
     mid-run when other factors have negative precision), centred there at q's mean."""
     bad = cav.prec < floor
-    mean = q.nat1 / q.prec
-    return DiagGaussian(jnp.where(bad, floor * mean, cav.nat1), jnp.where(bad, floor, cav.prec))
+    mean, _ = g.to_moments(q)
+    return g.DiagGaussian(jnp.where(bad, floor * mean, cav.nat1), jnp.where(bad, floor, cav.prec))
 
 
-def _loc_scale(g: DiagGaussian) -> tuple[jax.Array, jax.Array]:
-    mean, var = to_moments(g)
-    return mean, jnp.sqrt(var)
-
-
-def _take(tree, k):
-    return jax.tree_util.tree_map(lambda x: x[k], tree)
+def _loc_scale(prior: g.DiagGaussian, t: g.DiagGaussian, k: Any) -> tuple[Array, Array]:
+    """Mean and standard deviation of client ``k``'s (proper) cavity."""
+    return g.mean_and_scale_tril(_proper(cavity(prior, t, k), _q(prior, t)))
 
 
 # -- the local free energy, expressed through NumPyro ----------------------------------------------
 
 
-def _u_term(spec: Spec, state: SGPState, k, own: sg.Pseudo, data, log_beta, Z):
+def _u_term(spec: Spec, state: ServerState, k: Any, own: sg.Pseudo, data: tuple, log_beta: Array,
+            Z: Array) -> Array:
     """E_q[log p(y_k | f)] - KL(q(u|Z,beta) || q_cavity(u|Z,beta)) for one (beta, Z)."""
     X, y, mask = data
     hyper = sgp.split_hyper(log_beta, spec.input_dim)
     L = jnp.linalg.cholesky(sgp.kzz(Z, hyper, spec.jitter))
-    nclients = state.sizes.shape[0]
-    w = jnp.ones(nclients).at[k].set(0.0)
+    w = jnp.ones(state.sizes.shape[0]).at[k].set(0.0)  # every client's factor but k's own
     A_c, c_c = sg.summed_stats(spec.factor, spec.covariance, state.pseudo, state.pseudo_mask,
                                w, Z, hyper, L)
     A_k, c_k = sg.summed_stats(spec.factor, spec.covariance, expand(own),
                                state.pseudo_mask[k][None], jnp.ones(1), Z, hyper, L)
     post = sgp.posterior(L, A_c + A_k, c_c + c_k)
     cav = sgp.posterior(L, A_c, c_c)
-    mean, var = sgp.predict_f(post, sgp.se(X, Z, hyper.lengthscale, hyper.variance),
-                              jnp.full(X.shape[0], hyper.variance))
+    mean, var = sgp.predict_f(post, hyper.kernel(X, Z), jnp.full(X.shape[0], hyper.variance))
     ell = sgp.expected_log_lik(spec.likelihood, y, mean, var, hyper.noise, mask)
     return ell - sgp.kl_whitened(post, cav)
 
 
-def local_free_energy(spec: Spec, state: SGPState, k, data, params, key) -> jax.Array:
+def local_free_energy(spec: Spec, state: ServerState, k: Any, data: tuple, params: tuple,
+                      key: Array) -> Array:
     """Client k's alpha-tempered local free energy (one MC estimate over (beta, Z))."""
     lq, own, z_point = params
     if spec.factor == "opt":
         own = jax.lax.stop_gradient(own)
-    cav_b = (_loc_scale(_proper(_cavity(state.beta_prior, state.t_beta, k),
-                                _q(state.beta_prior, state.t_beta)))
-             if spec.learn_hyper else None)
-    cav_z = (_loc_scale(_proper(_cavity(state.z_prior, state.t_z, k), _q(state.z_prior, state.t_z)))
-             if spec.z_mode == "hvm" else None)
+    cav_b = _loc_scale(state.beta_prior, state.t_beta, k) if spec.learn_hyper else None
+    cav_z = _loc_scale(state.z_prior, state.t_z, k) if spec.z_mode == "hvm" else None
     model = partial(sgp.local_model, partial(_u_term, spec, state, k, own, data), cav_b, cav_z,
                     state.log_beta_fixed, z_point)
     guide = partial(sg.hvm_guide, lq, spec.learn_hyper, spec.z_mode == "hvm")
@@ -194,62 +227,50 @@ def local_free_energy(spec: Spec, state: SGPState, k, data, params, key) -> jax.
                       tempered(guide, spec.alpha, ["Z"]))
 
 
-def _adam(loss, params, steps: int, lr: float, key):
-    opt = optax.adam(lr)
-
-    def step(carry, sk):
-        p, s = carry
-        value, g = jax.value_and_grad(loss)(p, sk)
-        upd, s = opt.update(g, s, p)
-        return (optax.apply_updates(p, upd), s), value
-
-    (params, _), values = jax.lax.scan(step, (params, opt.init(params)),
-                                       jax.random.split(key, steps))
-    return params, values
-
-
-def client_update(spec: Spec, state: SGPState, k, data, key) -> tuple[Message, jax.Array]:
-    """Optimise client k's factors (``local_steps`` Adam steps; FedAvg-Z then ``inner_steps``
-    joint steps with its local Z). Returns the message and the final local free energy."""
-    cav_b = _cavity(state.beta_prior, state.t_beta, k)
-    cav_z = _cavity(state.z_prior, state.t_z, k)
-    lq = sg.local_q_from(_q(state.beta_prior, state.t_beta), _q(state.z_prior, state.t_z))
+def client_update(spec: Spec, optimizer: optax.GradientTransformation, state: ServerState,
+                  k: Any, data: tuple, key: Array) -> Message:
+    """Optimise client k's factors (``local_steps`` optimiser steps; FedAvg-Z then
+    ``inner_steps`` joint steps with its local Z). ``data = (X_k, y_k, mask_k)``."""
+    lq = sg.local_q_from(q_beta(state), q_z(state))
     params = (lq, _take(state.pseudo, k), state.z_point)
     fe = partial(local_free_energy, spec, state, k, data)
     k1, k2 = jax.random.split(key)
-    train_z_first = spec.z_mode == "train" and spec.inner_steps == 0
 
-    def loss(train_z, p, sk):
+    def loss(train_z: bool, p: tuple, sk: Array) -> Array:
         if not train_z:
             p = (p[0], p[1], jax.lax.stop_gradient(p[2]))
         return -fe(p, sk)
 
-    params, values = _adam(partial(loss, train_z_first), params, spec.local_steps,
-                           spec.learning_rate, k1)
+    train_z_first = spec.z_mode == "train" and spec.inner_steps == 0
+    params, values = minimise(partial(loss, train_z_first), params, optimizer, spec.local_steps,
+                              k1)
     if spec.z_mode == "train" and spec.inner_steps > 0:
-        params, values = _adam(partial(loss, True), params, spec.inner_steps,
-                               spec.learning_rate, k2)
+        params, values = minimise(partial(loss, True), params, optimizer, spec.inner_steps, k2)
     lq, own, z_point = params
-    t_b, t_z = sg.to_factors(lq, cav_b, cav_z)
-    return Message(t_b, t_z, own, z_point), -values[-1]
+    t_b, t_z = sg.to_factors(lq, cavity(state.beta_prior, state.t_beta, k),
+                             cavity(state.z_prior, state.t_z, k))
+    return Message(t_b, t_z, own, z_point, -values[-1])
 
 
 # -- server ----------------------------------------------------------------------------------------
 
 
-def _accept(state: SGPState, msgs: Message, idx, rho: float) -> jax.Array:
+def _accept(state: ServerState, msgs: Message, idx: Array, received: Array, rho: float
+            ) -> Array:
     """Accept, in order, each finite message whose (damped) factors keep q(beta) and q(Z)
     proper given the messages accepted before it (a scan: synchronous updates can be proper one
     at a time and improper together)."""
-    finite = fedavg.all_finite(msgs)
-    flat = lambda a: a.reshape(a.shape[0], -1)  # noqa: E731
+    finite = fedavg.all_finite((msgs.t_beta, msgs.t_z, msgs.pseudo, msgs.z_point)) & received
+
+    def flat(a: Array) -> Array:
+        return a.reshape(a.shape[0], -1)
+
     olds = jnp.concatenate([flat(state.t_beta.prec[idx]), flat(state.t_z.prec[idx])], 1)
     news = jnp.concatenate([flat(msgs.t_beta.prec), flat(msgs.t_z.prec)], 1)
     news = jnp.where(jnp.isfinite(news), news, 0.0)
-    total = jnp.concatenate([_q(state.beta_prior, state.t_beta).prec.reshape(-1),
-                             _q(state.z_prior, state.t_z).prec.reshape(-1)])
+    total = jnp.concatenate([q_beta(state).prec.reshape(-1), q_z(state).prec.reshape(-1)])
 
-    def step(tot, xs):
+    def step(tot: Array, xs: tuple) -> tuple[Array, Array]:
         old, new, fin = xs
         cand = tot + rho * (new - old)
         ok = fin & jnp.all(cand > 0)
@@ -258,26 +279,41 @@ def _accept(state: SGPState, msgs: Message, idx, rho: float) -> jax.Array:
     return jax.lax.scan(step, total, (olds, news, finite))[1]
 
 
-def server_update(spec: Spec, state: SGPState, msgs: Message, idx) -> tuple[SGPState, jax.Array]:
+def _lerp(old: Any, new: Any, rho: float) -> Any:
+    """Pseudo-observation parameters moved ``rho`` of the way to their new values."""
+    return jax.tree_util.tree_map(lambda o, n: (1.0 - rho) * o + rho * n, old, new)
+
+
+def _store(stack: Any, new: Any, idx: Array, ok: Array, rho: float,
+           combine: Callable[[Any, Any, float], Any]) -> Any:
+    """Stacked values with rows ``idx`` replaced by ``combine(old, new, rho)`` where ``ok``."""
+    def keep(a: Array) -> Array:
+        return ok.reshape(ok.shape + (1,) * (a.ndim - 1))
+
+    prev = _take(stack, idx)
+    new = jax.tree_util.tree_map(lambda n, p: jnp.where(keep(n), n, p), new, prev)
+    cand = combine(prev, new, rho)
+    return jax.tree_util.tree_map(lambda s, c, p: s.at[idx].set(jnp.where(keep(c), c, p)),
+                                  stack, cand, prev)
+
+
+def server_update(spec: Spec, state: ServerState, msgs: Message, idx: Array,
+                  received: Array | None = None) -> tuple[ServerState, Array]:
     """Apply the accepted messages of clients ``idx`` (messages stacked on axis 0).
 
-    A message is rejected (its client's factors stay as they were) when any leaf is non-finite
-    or it would make q(beta) or q(Z) improper (checked in order, see :func:`_accept`). Factors over beta and Z are damped in natural
-    parameters; DPO/CPO pseudo-observation parameters are interpolated linearly (a heuristic;
-    exact when damping = 1). FedAvg-Z: Z <- weighted average of the old Z (weight N - sum N_k)
-    and the clients' Z (weights N_k), via :func:`fedppl.algorithms.fedavg.server_update`."""
+    A message is rejected (its client's factors stay as they were) when it did not arrive, any
+    leaf is non-finite or it would make q(beta) or q(Z) improper (checked in order, see
+    :func:`_accept`). Factors over beta and Z are damped in natural parameters
+    (:func:`fedppl.families.gaussian.damp`); DPO/CPO pseudo-observation parameters are
+    interpolated linearly (a heuristic; exact when damping = 1). FedAvg-Z: Z <- weighted average
+    of the old Z (weight N - sum N_k) and the clients' Z (weights N_k), via
+    :func:`fedppl.algorithms.fedavg.server_update`."""
     rho = spec.damping
-    ok = _accept(state, msgs, idx, rho)
-    keep = lambda a: ok.reshape(ok.shape + (1,) * (a.ndim - 1))  # noqa: E731
-
-    def upd(old, new):
-        prev = old[idx]
-        cand = (1.0 - rho) * prev + rho * jnp.where(keep(new), new, prev)
-        return old.at[idx].set(jnp.where(keep(new), cand, prev))
-
-    t_beta = jax.tree_util.tree_map(upd, state.t_beta, msgs.t_beta)
-    t_z = jax.tree_util.tree_map(upd, state.t_z, msgs.t_z)
-    pseudo = jax.tree_util.tree_map(upd, state.pseudo, msgs.pseudo)
+    received = jnp.ones(idx.shape[0], bool) if received is None else received
+    ok = _accept(state, msgs, idx, received, rho)
+    t_beta = _store(state.t_beta, msgs.t_beta, idx, ok, rho, g.damp)
+    t_z = _store(state.t_z, msgs.t_z, idx, ok, rho, g.damp)
+    pseudo = _store(state.pseudo, msgs.pseudo, idx, ok, rho, _lerp)
     z_point = state.z_point
     if spec.z_mode == "train":
         n_k = state.sizes[idx].astype(float)
@@ -292,26 +328,46 @@ def server_update(spec: Spec, state: SGPState, msgs: Message, idx) -> tuple[SGPS
     return new, ok
 
 
+def make_trio(spec: Spec, optimizer: optax.GradientTransformation) -> Trio:
+    """The sparse-GP PVI trio for :func:`fedppl.runtime.make_round` (replies: accepted flags)."""
+
+    def client(server: ServerState, cstate: ClientState, data: tuple, mask: Array, key: Array,
+               index: Array) -> tuple[Message, ClientState]:
+        X, y = data
+        return client_update(spec, optimizer, server, index, (X, y, mask), key), cstate
+
+    def server(state: ServerState, msgs: Message, index: Array, received: Array, key: Array,
+               evaluate: Any) -> tuple[ServerState, Array]:
+        return server_update(spec, state, msgs, index, received)
+
+    return Trio(client, server)
+
+
 # -- sampling q, the global free energy and predictions --------------------------------------------
 
 
-def sample_q(spec: Spec, state: SGPState, key, num: int) -> tuple[jax.Array, jax.Array]:
+def _draws(key: Array, q: g.DiagGaussian, num: int) -> Array:
+    """``num`` draws of a diagonal Gaussian of any shape (flattened for :func:`g.sample`)."""
+    shape = q.nat1.shape
+    flat = g.DiagGaussian(q.nat1.reshape(-1), q.prec.reshape(-1))
+    return g.sample(key, flat, num).reshape((num, *shape))
+
+
+def sample_q(spec: Spec, state: ServerState, key: Array, num: int) -> tuple[Array, Array]:
     """``num`` draws of (log_beta, Z) from q (point values where they are not random)."""
     kb, kz = jax.random.split(key)
     if spec.learn_hyper:
-        mb, sb = _loc_scale(_q(state.beta_prior, state.t_beta))
-        lb = mb + sb * jax.random.normal(kb, (num,) + mb.shape)
+        lb = _draws(kb, q_beta(state), num)
     else:
-        lb = jnp.broadcast_to(state.log_beta_fixed, (num,) + state.log_beta_fixed.shape)
+        lb = jnp.broadcast_to(state.log_beta_fixed, (num, *state.log_beta_fixed.shape))
     if spec.z_mode == "hvm":
-        mz, sz = _loc_scale(_q(state.z_prior, state.t_z))
-        Z = mz + sz * jax.random.normal(kz, (num,) + mz.shape)
+        Z = _draws(kz, q_z(state), num)
     else:
-        Z = jnp.broadcast_to(state.z_point, (num,) + state.z_point.shape)
+        Z = jnp.broadcast_to(state.z_point, (num, *state.z_point.shape))
     return lb, Z
 
 
-def _posterior_at(spec: Spec, state: SGPState, log_beta, Z):
+def _posterior_at(spec: Spec, state: ServerState, log_beta: Array, Z: Array):
     hyper = sgp.split_hyper(log_beta, spec.input_dim)
     L = jnp.linalg.cholesky(sgp.kzz(Z, hyper, spec.jitter))
     A, c = sg.summed_stats(spec.factor, spec.covariance, state.pseudo, state.pseudo_mask,
@@ -319,35 +375,44 @@ def _posterior_at(spec: Spec, state: SGPState, log_beta, Z):
     return hyper, L, sgp.posterior(L, A, c)
 
 
-def predictive_samples(spec: Spec, state: SGPState, X, key, num: int):
+def predictive_samples(spec: Spec, state: ServerState, X: Array, key: Array, num: int):
     """Per-sample latent mean, variance (num, N) and noise variance (num,) at ``X``."""
-    def one(lb, Z):
+    def one(lb: Array, Z: Array):
         hyper, _, post = _posterior_at(spec, state, lb, Z)
-        mean, var = sgp.predict_f(post, sgp.se(X, Z, hyper.lengthscale, hyper.variance),
-                                  jnp.full(X.shape[0], hyper.variance))
+        mean, var = sgp.predict_f(post, hyper.kernel(X, Z), jnp.full(X.shape[0], hyper.variance))
         return mean, var, hyper.noise**2
     return jax.vmap(one)(*sample_q(spec, state, key, num))
 
 
-def free_energy(spec: Spec, state: SGPState, X_all, y_all, mask_all, key, num: int = 4):
+def sample_u(spec: Spec, state: ServerState, key: Array, num: int
+             ) -> tuple[Array, Array, Array]:
+    """``num`` joint draws of ``(log_beta, Z, u)``: ``u = f(Z) ~ q(u | Z, beta)`` per draw."""
+    k_q, k_u = jax.random.split(key)
+    lb, Z = sample_q(spec, state, k_q, num)
+
+    def one(lb: Array, Z: Array, eps: Array) -> Array:
+        post = _posterior_at(spec, state, lb, Z)[2]
+        mean, cov = sgp.moments(post)
+        return mean + jnp.linalg.cholesky(cov + 1e-12 * jnp.eye(cov.shape[0])) @ eps
+
+    eps = jax.random.normal(k_u, (num, Z.shape[1]))
+    return lb, Z, jax.vmap(one)(lb, Z, eps)
+
+
+def free_energy(spec: Spec, state: ServerState, X_all: Array, y_all: Array, mask_all: Array,
+                key: Array, num: int = 4) -> Array:
     """MC estimate of the global alpha-tempered free energy (all clients' data; KLs to the
     prior): E[sum_n E log p(y_n|f) - KL(q(u)||p(u))] - KL(q(beta)||p) - alpha KL(q(Z)||p~)."""
-    def one(lb, Z):
+    def one(lb: Array, Z: Array) -> Array:
         hyper, L, post = _posterior_at(spec, state, lb, Z)
         prior = sgp.posterior(L, jnp.zeros_like(L), jnp.zeros(L.shape[0]))
-        mean, var = sgp.predict_f(post, sgp.se(X_all, Z, hyper.lengthscale, hyper.variance),
+        mean, var = sgp.predict_f(post, hyper.kernel(X_all, Z),
                                   jnp.full(X_all.shape[0], hyper.variance))
         ell = sgp.expected_log_lik(spec.likelihood, y_all, mean, var, hyper.noise, mask_all)
         return ell - sgp.kl_whitened(post, prior)
     value = jnp.mean(jax.vmap(one)(*sample_q(spec, state, key, num)))
     if spec.learn_hyper:
-        value -= _kl_diag(_q(state.beta_prior, state.t_beta), state.beta_prior)
+        value -= g.kl(q_beta(state), state.beta_prior)
     if spec.z_mode == "hvm":
-        value -= spec.alpha * _kl_diag(_q(state.z_prior, state.t_z), state.z_prior)
+        value -= spec.alpha * jnp.sum(g.kl(q_z(state), state.z_prior))
     return value
-
-
-def _kl_diag(q: DiagGaussian, p: DiagGaussian) -> jax.Array:
-    mq, vq = to_moments(q)
-    mp, vp = to_moments(p)
-    return 0.5 * jnp.sum(vq / vp + (mq - mp) ** 2 / vp - 1.0 - jnp.log(vq / vp))

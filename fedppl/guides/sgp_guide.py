@@ -8,28 +8,34 @@
 * ``q(u | Z, beta) ∝ p(u | Z, beta) prod_k t_k(u | Z, beta)`` with one factor per client:
 
   - ``"dpo"``: ``t_k ∝ N(K_{V_k Z} K_ZZ^-1 u; m_k, S_k)``, pseudo-inputs ``V_k`` (M_k x D), ``S_k``
-    diagonal (``s_raw`` = log variances) or full (``s_raw`` = lower Cholesky factor of ``S_k`` with
-    a log diagonal);
-  - ``"cpo"``: ``t_k = N(u; m_k, S_k)`` with the factor precision ``S_k^-1 = R R'`` (``s_raw`` = R
-    with a log diagonal), so every factor is PSD and the cavity is always a proper Gaussian;
+    diagonal (``s_raw`` = log variances) or full (``s_raw`` = the unconstrained vector of the
+    lower Cholesky factor of ``S_k``, see :func:`lower_cholesky`);
+  - ``"cpo"``: ``t_k = N(u; m_k, S_k)`` with the factor precision ``S_k^-1 = R R'`` (``s_raw`` =
+    R's unconstrained vector), so every factor is PSD and the cavity is always a proper Gaussian;
   - ``"opt"``: the optimal factor of a Gaussian likelihood, ``V = X, m = y, S = noise^2 I``
     (Titsias' collapsed q(u); used only where the data sit with the optimiser: global VI).
 
 Every factor is reduced to whitened ``(A_k, c_k) = (L^-1 B_k L^-T, L^-1 b_k)`` (see
-:mod:`fedppl.models.sparse_gp`); padded
-pseudo-points are switched off by a mask.
+:mod:`fedppl.models.sparse_gp`); padded pseudo-points are switched off by a mask.
 
 Example::
 
+    >>> import jax.numpy as jnp, numpy as np
+    >>> from fedppl.models import sparse_gp
+    >>> from fedppl.models.kernels import SEParams
+    >>> Z, hyper = jnp.linspace(-1.0, 1.0, 4)[:, None], SEParams.init(1)
+    >>> pseudo, mask = init_dpo(np.random.default_rng(0), np.ones((5, 1)), 3, 4, "diag", False)
+    >>> stack = Pseudo(*(jnp.asarray(a)[None] for a in pseudo))      # one client
     >>> L = jnp.linalg.cholesky(sparse_gp.kzz(Z, hyper))
-    >>> A, c = summed_stats("dpo", "diag", pseudo, mask, jnp.ones(K), Z, hyper, L)
-    >>> post = sparse_gp.posterior(L, A, c)
-    >>> numpyro.handlers.trace(partial(hvm_guide, local_q, True, True)).get_trace()
+    >>> A, c = summed_stats("dpo", "diag", stack, jnp.asarray(mask)[None], jnp.ones(1), Z,
+    ...                     hyper, L)
+    >>> A.shape, float(jnp.abs(c).max())                                 # m_k = 0 at the start
+    ((4, 4), 0.0)
 """
 
 from __future__ import annotations
 
-from typing import NamedTuple
+from typing import NamedTuple, cast
 
 import jax
 import jax.numpy as jnp
@@ -38,21 +44,24 @@ import numpy as np
 import numpyro
 import numpyro.distributions as dist
 from jax import Array
+from numpyro.distributions import constraints
+from numpyro.distributions.transforms import biject_to
 
-from fedppl.families.gaussian import DiagGaussian, to_moments
-from fedppl.models.kernels import se
-from fedppl.models.sparse_gp import Hyper
+from fedppl.families import gaussian as g
+from fedppl.models.kernels import SEParams
 
-__all__ = ["Pseudo", "LocalQ", "summed_stats", "tril_param", "init_dpo", "init_cpo",
-           "local_q_from", "to_factors", "hvm_guide"]
+__all__ = ["Pseudo", "LocalQ", "summed_stats", "lower_cholesky", "tril_size", "init_dpo",
+           "init_cpo", "local_q_from", "to_factors", "hvm_guide"]
+
+_CHOLESKY = biject_to(constraints.lower_cholesky)
 
 
 class Pseudo(NamedTuple):
     """Pseudo-observation parameters of one client (or stacked on a leading client axis)."""
 
-    V: Array      # (M_k, D) pseudo-inputs (DPO, opt); (0, D) for CPO
-    m: Array      # (M_k,) pseudo-observations (CPO: (M,) factor mean)
-    s_raw: Array  # diag: (M_k,) log variances; full / CPO: (M_k, M_k) raw lower factor
+    V: Array | np.ndarray      # (M_k, D) pseudo-inputs (DPO, opt); (0, D) for CPO
+    m: Array | np.ndarray      # (M_k,) pseudo-observations (CPO: (M,) factor mean)
+    s_raw: Array | np.ndarray  # diag: (M_k,) log variances; full / CPO: (M_k (M_k + 1) / 2,)
 
 
 class LocalQ(NamedTuple):
@@ -64,36 +73,42 @@ class LocalQ(NamedTuple):
     z_logsd: Array
 
 
-def tril_param(raw: Array) -> Array:
-    """Lower-triangular factor with a positive (exponentiated) diagonal."""
-    return jnp.tril(raw, -1) + jnp.diag(jnp.exp(jnp.diagonal(raw)))
+def lower_cholesky(raw: Array | np.ndarray) -> Array:
+    """The lower-triangular factor of an unconstrained vector (numpyro's ``lower_cholesky``
+    bijection: the strictly lower entries as they are, then the log diagonal)."""
+    return _CHOLESKY(raw)
 
 
-def _dpo_diag(pseudo: Pseudo, prec: Array, Z: Array, hyper: Hyper, L: Array
+def tril_size(n: int) -> int:
+    """Length of the unconstrained vector of an ``n x n`` lower-triangular factor."""
+    return n * (n + 1) // 2
+
+
+def _dpo_diag(pseudo: Pseudo, prec: Array, Z: Array, hyper: SEParams, L: Array
               ) -> tuple[Array, Array]:
     V = pseudo.V.reshape(-1, Z.shape[1])
-    W = jsl.solve_triangular(L, se(Z, V, hyper.lengthscale, hyper.variance), lower=True)
+    W = jsl.solve_triangular(L, hyper.kernel(Z, V), lower=True)
     w = prec.reshape(-1)
     return (W * w) @ W.T, W @ (w * pseudo.m.reshape(-1))
 
 
-def _dpo_full_one(pseudo: Pseudo, mask: Array, Z: Array, hyper: Hyper, L: Array
+def _dpo_full_one(pseudo: Pseudo, mask: Array, Z: Array, hyper: SEParams, L: Array
                   ) -> tuple[Array, Array]:
-    Kvz = se(pseudo.V, Z, hyper.lengthscale, hyper.variance) * mask[:, None]
+    Kvz = hyper.kernel(pseudo.V, Z) * mask[:, None]
     both = mask[:, None] & mask[None, :]
-    Ls = jnp.where(both, tril_param(pseudo.s_raw), jnp.eye(mask.shape[0]))
+    Ls = jnp.where(both, lower_cholesky(pseudo.s_raw), jnp.eye(mask.shape[0]))
     G = jsl.solve_triangular(Ls, jsl.solve_triangular(L, Kvz.T, lower=True).T, lower=True)
     r = jsl.solve_triangular(Ls, pseudo.m * mask, lower=True)
     return G.T @ G, G.T @ r                          # G = S^-1/2 K_VZ L^-T
 
 
-def _cpo_prec(s_raw: Array) -> Array:
-    R = tril_param(s_raw)
+def _cpo_prec(s_raw: Array | np.ndarray) -> Array:
+    R = lower_cholesky(s_raw)
     return R @ R.T
 
 
 def summed_stats(kind: str, cov: str, pseudo: Pseudo, mask: Array, weights: Array, Z: Array,
-                 hyper: Hyper, L: Array) -> tuple[Array, Array]:
+                 hyper: SEParams, L: Array) -> tuple[Array, Array]:
     """Whitened ``(A, c) = (L^-1 B L^-T, L^-1 b)`` of ``sum_k w_k`` factor k (stacked on axis 0),
     with ``L = chol(K_ZZ + jitter)``."""
     if kind == "opt":
@@ -126,33 +141,31 @@ def init_dpo(rng: np.random.Generator, X_k: np.ndarray, num_pseudo: int, max_pse
         V = rng.standard_normal((num_pseudo, D))
     V = np.concatenate([V, np.zeros((max_pseudo - num_pseudo, D))])
     mask = np.arange(max_pseudo) < num_pseudo
-    if covariance == "diag":
-        s_raw = np.zeros(max_pseudo)
-    else:
-        s_raw = np.zeros((max_pseudo, max_pseudo))
-    return Pseudo(V, np.zeros(max_pseudo), s_raw), mask
+    size = max_pseudo if covariance == "diag" else tril_size(max_pseudo)
+    return Pseudo(V, np.zeros(max_pseudo), np.zeros(size)), mask
 
 
 def init_cpo(num_inducing: int, input_dim: int, precision: float = 1e-2) -> Pseudo:
     """Initial CPO factor: mean 0, precision ``precision * I`` (weak)."""
-    s_raw = np.diag(np.full(num_inducing, 0.5 * np.log(precision)))
-    return Pseudo(np.zeros((0, input_dim)), np.zeros(num_inducing), s_raw)
+    n = num_inducing
+    s_raw = np.concatenate([np.zeros(tril_size(n) - n), np.full(n, 0.5 * np.log(precision))])
+    return Pseudo(np.zeros((0, input_dim)), np.zeros(n), s_raw)
 
 
-def local_q_from(q_beta: DiagGaussian, q_z: DiagGaussian) -> LocalQ:
+def local_q_from(q_beta: g.DiagGaussian, q_z: g.DiagGaussian) -> LocalQ:
     """Mean / log-sd parameters of the current ``q(beta)``, ``q(Z)`` (the client's start)."""
-    mb, vb = to_moments(q_beta)
-    mz, vz = to_moments(q_z)
+    mb, vb = g.to_moments(q_beta)
+    mz, vz = g.to_moments(q_z)
     return LocalQ(mb, 0.5 * jnp.log(vb), mz, 0.5 * jnp.log(vz))
 
 
-def to_factors(lq: LocalQ, cav_beta: DiagGaussian, cav_z: DiagGaussian
-               ) -> tuple[DiagGaussian, DiagGaussian]:
+def to_factors(lq: LocalQ, cav_beta: g.DiagGaussian, cav_z: g.DiagGaussian
+               ) -> tuple[g.DiagGaussian, g.DiagGaussian]:
     """The client's new factors ``t_k = q_new / q_cavity`` in natural parameters."""
-    qb = DiagGaussian.from_moments(lq.beta_loc, jnp.exp(2 * lq.beta_logsd))
-    qz = DiagGaussian.from_moments(lq.z_loc, jnp.exp(2 * lq.z_logsd))
-    return (DiagGaussian(qb.nat1 - cav_beta.nat1, qb.prec - cav_beta.prec),
-            DiagGaussian(qz.nat1 - cav_z.nat1, qz.prec - cav_z.prec))
+    qb = g.DiagGaussian.from_moments(lq.beta_loc, jnp.exp(2 * lq.beta_logsd))
+    qz = g.DiagGaussian.from_moments(lq.z_loc, jnp.exp(2 * lq.z_logsd))
+    return (cast(g.DiagGaussian, g.quotient(qb, cav_beta)),
+            cast(g.DiagGaussian, g.quotient(qz, cav_z)))
 
 
 def hvm_guide(lq: LocalQ, sample_beta: bool, sample_z: bool) -> None:

@@ -1,9 +1,16 @@
-"""The public front: one object per federated method, all with numpyro ``SVI``'s shape."""
+"""The public front: one object per federated method, all with numpyro ``SVI``'s shape
+(``init`` / ``update`` / ``run``, see :mod:`fedppl.infer.base`), each over a trio of pure
+functions in :mod:`fedppl.algorithms` that the runtime drives."""
 
-from fedppl.infer.bayesian_regression import FedBNR
-from fedppl.infer.fedavg_gp import FSGPConfig, fit_fsgp
-from fedppl.infer.sparse_gps import SGPConfig, fit_sgp
+from fedppl.infer.base import FederatedMethod, Result, RunState
+from fedppl.infer.bayesian_regression import FedBNR, FedBNRResult
+from fedppl.infer.co_training import CoTraining, CoTrainingResult
+from fedppl.infer.fedavg_gp import FSGP, FSGPConfig, FSGPResult
+from fedppl.infer.multitask_gp import PFedMul, PFedMulResult
+from fedppl.infer.sparse_gps import FederatedSGP, SGPConfig, SGPResult
 from fedppl.infer.variational import PVI, GlobalVI, PVIResult
 
-__all__ = ["PVI", "GlobalVI", "PVIResult", "FedBNR", "fit_sgp", "SGPConfig", "fit_fsgp",
-           "FSGPConfig"]
+__all__ = ["FederatedMethod", "Result", "RunState", "PVI", "GlobalVI", "PVIResult",
+           "FederatedSGP", "SGPConfig", "SGPResult", "FSGP", "FSGPConfig", "FSGPResult",
+           "FedBNR", "FedBNRResult", "PFedMul", "PFedMulResult", "CoTraining",
+           "CoTrainingResult"]

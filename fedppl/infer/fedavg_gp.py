@@ -1,28 +1,33 @@
-"""``fit_fsgp``: federated sparse GP regression by FedAvg of the Titsias bound (FSGP baseline).
+"""``FSGP``: federated sparse GP regression by FedAvg of the Titsias bound (the FSGP baseline).
 
-Training follows the FSGP paper: each round every client takes ``local_steps`` Adam steps on its
-own per-point collapsed bound from the server's parameters, and the server averages them with
-weights ``N_k / N`` (synchronous: all clients take part every round, where the paper samples
-``max(K rho, 1)`` of them). Afterwards each client sends ``A_k = C_MNk C_MNk^T``,
-``b_k = C_MNk y_k`` and ``N_k`` once, and the server predicts from the sums (Eqs. 14-15 of the
-paper), see :mod:`fedppl.algorithms.fsgp`.
+Training follows the FSGP paper: each round every client takes ``local_steps`` optimiser steps on
+its own per-point collapsed bound from the server's parameters, and the server averages them with
+weights ``N_k / N`` (synchronous: every client takes part every round, where the paper samples
+``max(K rho, 1)`` of them). After the last round the server switches to its aggregation phase: one
+more round in which each client sends ``A_k = C_MNk C_MNk^T``, ``b_k = C_MNk y_k`` and ``N_k``, and
+the server predicts from the sums (Eqs. 14-15 of the paper). Both phases are
+:mod:`fedppl.algorithms.fsgp`'s trio, run by the embedded runtime.
 
 Inputs and targets are expected standardised (``fedppl.datasets.Standardiser``).
 
 Example::
 
-    >>> res = fit_fsgp(clients, num_rounds=20, config=FSGPConfig(local_steps=50))
-    >>> mean, var = res.predict(X_test)                     # of y, in standardised units
-    >>> res.log_likelihood(X_test, y_test_orig, scaler.y_mean, scaler.y_std)
-    >>> res.history["bound"]                                # sum of client bounds per round
+    >>> import jax, numpy as np, optax, fedppl
+    >>> rng = np.random.default_rng(0)
+    >>> X = rng.uniform(-2, 2, (60, 1)); y = np.sin(2 * X[:, 0]) + 0.1 * rng.normal(size=60)
+    >>> clients = fedppl.partition.homogeneous(X, y, num_clients=3, seed=0)
+    >>> fsgp = FSGP(num_inducing=6, local_steps=20, optimizer=optax.adam(5e-2))
+    >>> result = fsgp.run(jax.random.key(0), clients, num_rounds=3, progress_bar=False)
+    >>> mean, var = result.predict(X[:4])                  # of y, in standardised units
+    >>> mean.shape, result.history["round"].tolist(), result.aggregation["messages_up"]
+    ((4,), [1, 2, 3], 3)
 """
 
 from __future__ import annotations
 
-import time
-from functools import lru_cache
+import warnings
 from dataclasses import dataclass, field
-from typing import Callable, NamedTuple
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -31,17 +36,22 @@ import optax
 from jax import Array
 
 from fedppl import metrics
-from fedppl.algorithms import exact, fedavg
+from fedppl import validation as check
+from fedppl.algorithms import exact
 from fedppl.algorithms import fsgp as alg
 from fedppl.clients import Clients
+from fedppl.infer import _gp_checks as chk
+from fedppl.infer.base import FederatedMethod, Result, RunState, num_bytes
 
-__all__ = ["FSGPConfig", "FSGPResult", "fit_fsgp", "INIT_INDUCING"]
+__all__ = ["FSGP", "FSGPConfig", "FSGPResult", "INIT_INDUCING"]
 
 INIT_INDUCING = ("client-data", "random-normal")
 
 
 class FSGPConfig(NamedTuple):
-    """Settings of :func:`fit_fsgp`.
+    """Settings of :class:`FSGP` (each may also be given as a keyword argument).
+
+    ``optimizer``: any optax optimiser for the clients' local steps.
 
     ``init_inducing``:
 
@@ -50,10 +60,12 @@ class FSGPConfig(NamedTuple):
       to every client through the shared ``Z``); use only where that is acceptable.
     * ``"random-normal"``: ``Z ~ N(0, I)`` draws, reasonable for standardised inputs; no data
       leave the clients before training.
+
+    ``jitter``: added to ``C_MM``'s diagonal (absolute).
     """
 
     num_inducing: int = 100
-    learning_rate: float = 1e-2
+    optimizer: optax.GradientTransformation = optax.adam(1e-2)
     local_steps: int = 200
     init_lengthscale: float = 1.0
     init_variance: float = 1.0
@@ -62,134 +74,186 @@ class FSGPConfig(NamedTuple):
     jitter: float = alg.DEFAULT_JITTER
 
 
-@dataclass
-class FSGPResult:
+@dataclass(kw_only=True)
+class FSGPResult(Result):
     """Trained parameters, the aggregated prediction statistics and the training history.
 
-    ``history`` has lists ``"round"``, ``"bound"`` (sum over clients of the collapsed bounds, in
-    nats, at the averaged parameters after that round; round 0 is the initial point), ``"seconds"``
-    (wall time of the round, the first includes compilation) and ``"rejected"`` (client names).
+    ``history`` (one row per FedAvg round, round 1 first) has ``bound`` (sum over clients of the
+    collapsed bounds, in nats, at the averaged parameters after that round) and the common keys.
+    ``aggregation``: the final round's ``messages_up``, ``bytes_up``, ``rejected`` (counted in
+    :meth:`summary`'s totals).
     """
 
     params: alg.FSGPParams
     stats: exact.Stats
-    history: dict[str, list] = field(default_factory=dict)
     jitter: float = alg.DEFAULT_JITTER
+    aggregation: dict[str, Any] = field(default_factory=dict)
 
-    def predict(self, X: Array) -> tuple[Array, Array]:
+    def predict(self, X: Any) -> tuple[Array, Array]:
         """Predictive mean and variance of ``y`` (observation noise included) at ``X (n, D)``."""
-        X = jnp.asarray(X, dtype=float)
-        D = self.params.inducing.shape[1]
-        if X.ndim != 2 or X.shape[1] != D:
-            raise ValueError(f"X must have shape (n, {D}), got {X.shape}")
-        return _predict(self.params, self.stats, X, self.jitter)
+        X = chk.check_inputs(X, self.params.inducing.shape[1])
+        return _predict(self.params, self.stats, jnp.asarray(X), self.jitter)
 
-    def _original(self, X, y_mean, y_std):
+    def _original(self, X: Any, y: Any, y_mean: float, y_std: float):
         mean, var = self.predict(X)
-        return metrics.unstandardise(mean, var, y_mean, y_std)
+        y = chk.check_targets(y, mean.shape[0])
+        return (y, *metrics.unstandardise(mean, var, y_mean, y_std))
 
-    def log_likelihood(self, X: Array, y: Array, y_mean: float = 0.0, y_std: float = 1.0
-                       ) -> float:
+    def log_likelihood(self, X: Any, y: Any, y_mean: float = 0.0, y_std: float = 1.0) -> float:
         """Average test log-likelihood of ``y`` (original units; ``X`` as trained on)."""
-        mean, var = self._original(X, y_mean, y_std)
+        y, mean, var = self._original(X, y, y_mean, y_std)
         return metrics.gaussian_log_likelihood(y, mean, var)
 
-    def rmse(self, X: Array, y: Array, y_mean: float = 0.0, y_std: float = 1.0) -> float:
+    def rmse(self, X: Any, y: Any, y_mean: float = 0.0, y_std: float = 1.0) -> float:
         """Test RMSE of the predictive mean against ``y`` in original units."""
-        mean, _ = self._original(X, y_mean, y_std)
+        y, mean, _ = self._original(X, y, y_mean, y_std)
         return metrics.rmse(y, mean)
 
+    def rounds_to_convergence(self, rel_tol: float = 0.01) -> int | None:
+        """First round after which the bound stays within ``rel_tol`` of its range."""
+        return chk.converged_round(self.history["bound"], rel_tol)
 
-@jax.jit(static_argnames=("jitter",))
-def _predict(params, stats, X, jitter):
-    return alg.predict(params, stats, X, jitter)
+    def summary(self) -> dict[str, Any]:
+        out = super().summary()
+        for key in ("messages_up", "bytes_up"):
+            out[key] += int(self.aggregation.get(key, 0))
+        return {**out, "bound": float(self.history["bound"][-1]),
+                "rounds_to_convergence": self.rounds_to_convergence()}
 
-
-@lru_cache(maxsize=8)
-def _round_fn(learning_rate: float, steps: int, jitter: float) -> Callable:
-    """One compiled round per setting (repeated fits of the same shapes do not recompile)."""
-    return alg.make_round(optax.adam(learning_rate), steps, jitter)
-
-
-def _check_config(config: FSGPConfig, num_rounds: int) -> None:
-    if num_rounds < 0:
-        raise ValueError(f"num_rounds must be >= 0, got {num_rounds}")
-    if config.num_inducing < 1 or config.local_steps < 1:
-        raise ValueError(f"num_inducing and local_steps must be >= 1, got "
-                         f"{config.num_inducing}, {config.local_steps}")
-    if min(config.learning_rate, config.init_lengthscale, config.init_variance,
-           config.init_noise) <= 0 or config.jitter < 0:
-        raise ValueError(f"learning rate and initial values must be positive: {config}")
-    if config.init_inducing not in INIT_INDUCING:
-        raise ValueError(f"init_inducing must be one of {INIT_INDUCING}, "
-                         f"got {config.init_inducing!r}")
-
-
-def _check_clients(clients: Clients, num_inducing: int) -> int:
-    first = clients.client(0)
-    if len(first) != 2 or np.ndim(first[0]) != 2 or np.ndim(first[1]) != 1:
-        raise ValueError("FSGP needs clients holding (X (N_k, D), y (N_k,)); got arrays of shapes "
-                         f"{[np.shape(a) for a in first]}")
-    total = int(clients.sizes.sum())
-    if num_inducing > total:
-        raise ValueError(f"num_inducing = {num_inducing} exceeds the total number of training "
-                         f"points N = {total}; use M <= N (a sparse GP needs M < N)")
-    return np.shape(first[0])[1]
+    def to_arviz(self, rng_key: Array | None = None, num_samples: int = 1000):
+        """Draws of the inducing outputs ``u = f(Z)`` from Titsias' optimal q(u) given the
+        aggregated statistics; the trained hyperparameters and ``Z`` as constant data. Needs
+        ``pip install fedppl[arviz]``."""
+        key = jax.random.key(0) if rng_key is None else rng_key
+        mean, cov = alg.inducing_posterior(self.params, self.stats, self.jitter)
+        u = jax.random.multivariate_normal(key, mean, cov,
+                                           (check.positive_int(num_samples, "num_samples"),))
+        h = self.params.hyper
+        constant = {"lengthscale": h.lengthscale, "variance": h.variance, "noise": h.noise,
+                    "Z": self.params.inducing}
+        return chk.inference_data({"u": u}, constant, {
+            "method": "FSGP", "num_rounds": self.num_rounds,
+            "final_bound": float(self.history["bound"][-1])})
 
 
-def _init_inducing(clients: Clients, config: FSGPConfig, dim: int, key: Array) -> Array:
-    M = config.num_inducing
-    if config.init_inducing == "random-normal":
+_predict = jax.jit(alg.predict, static_argnames=("jitter",))
+_bounds = jax.jit(jax.vmap(alg.bound, in_axes=(None, 0, 0, 0, None)), static_argnums=4)
+
+
+class FSGP(FederatedMethod):
+    """FedAvg of the collapsed bound, then the exact aggregation of inducing statistics.
+
+    :param config: an :class:`FSGPConfig`; keyword arguments override its fields.
+    """
+
+    name = "FSGP"
+    schedule = "synchronous"
+    refusal = "non-finite parameters"
+
+    def __init__(self, config: FSGPConfig | None = None, **settings: Any):
+        if config is not None and not isinstance(config, FSGPConfig):
+            raise TypeError(f"config must be an FSGPConfig, got {type(config).__name__}")
+        unknown = set(settings) - set(FSGPConfig._fields)
+        if unknown:
+            raise TypeError(f"unknown settings {sorted(unknown)}; FSGP takes "
+                            f"{list(FSGPConfig._fields)}")
+        self.config = _checked((config or FSGPConfig())._replace(**settings))
+        self._trios: dict[tuple, Any] = {}
+        self._phase = alg.TRAIN
+
+    def init(self, rng_key: Array, clients: Clients, **kwargs: Any) -> RunState:
+        """Check the clients' ``(X, y)`` and set up the run. ``Z`` is drawn with the first half
+        of ``jax.random.split(rng_key)`` (the key stream of the original ``fit_fsgp``)."""
+        if kwargs:
+            raise TypeError(f"unexpected arguments {sorted(kwargs)}")
+        clients = chk.regression_clients(clients)
+        total = int(clients.sizes.sum())
+        if self.config.num_inducing > total:
+            raise ValueError(f"num_inducing = {self.config.num_inducing} exceeds the total "
+                             f"number of training points N = {total}; use M <= N (a sparse GP "
+                             "needs M < N)")
+        z_key = jax.random.split(check.rng_key(rng_key))[0]
+        return super().init(rng_key, clients, z_key=z_key)
+
+    def _setup(self, rng_key: Array, clients: Clients, **kwargs: Any):
+        cfg, z_key = self.config, kwargs["z_key"]
+        D = clients.data[0][0].shape[1]
+        params = alg.init_params(_init_inducing(clients, cfg, D, z_key), cfg.init_lengthscale,
+                                 cfg.init_variance, cfg.init_noise)
+        spec = (int(cfg.local_steps), float(cfg.jitter))
+        if spec not in self._trios:
+            self._trios[spec] = alg.make_trio(cfg.optimizer, *spec)
+        self._phase = alg.TRAIN
+        return self._trios[spec], "synchronous", alg.init(params), ()
+
+    # -- the final phase -----------------------------------------------------------------------
+
+    def aggregate(self, state: RunState) -> tuple[RunState, dict[str, Any]]:
+        """The aggregation round: every client sends its inducing statistics at the trained
+        parameters; the server adds the plausible ones. Returns the state and the round's
+        record (counts, bytes, refused clients)."""
+        self._phase = alg.AGGREGATE
+        server = state.server._replace(phase=jnp.asarray(alg.AGGREGATE))
+        try:
+            state, info = self.update(state._replace(server=server))
+        finally:
+            self._phase = alg.TRAIN
+        return state, {**info, "refused": list(self._refused_now)}
+
+    # -- the front's hooks ---------------------------------------------------------------------
+
+    def _refused(self, replies: Array, active: np.ndarray) -> np.ndarray:
+        return ~np.asarray(replies, bool)
+
+    def _record(self, before, after, msgs, replies, active, rng_key) -> dict[str, Any]:
+        refused = [self._names[k] for k in np.nonzero(active & ~np.asarray(replies, bool))[0]]
+        what = "parameters" if self._phase == alg.TRAIN else "statistics"
+        if refused:
+            warnings.warn(f"FSGP server rejected {what} from {', '.join(refused)}; they were not "
+                          "used", RuntimeWarning, stacklevel=4)
+        if self._phase != alg.TRAIN:
+            return {}
+        X, y = after.data
+        bounds = _bounds(after.server.params, X, y, after.masks, float(self.config.jitter))
+        return {"bound": float(jnp.sum(bounds))}
+
+    def _message_bytes(self, msgs: alg.Message) -> int:
+        one = jax.tree_util.tree_map(lambda x: x[0], msgs)
+        if self._phase == alg.TRAIN:
+            return num_bytes(one.params)
+        M = one.stats.proj.shape[0]  # a symmetric A_k needs only its lower triangle
+        return int((M * (M + 1) // 2 + M + 1) * one.stats.proj.dtype.itemsize)
+
+    def _broadcast_bytes(self, server: alg.ServerState) -> int:
+        return num_bytes(server.params)
+
+    def _result(self, state: RunState, history, rejected) -> FSGPResult:
+        state, info = self.aggregate(state)
+        reason = "inducing statistics not finite, symmetric and positive semi-definite"
+        rejected = rejected + [(state.round, who, reason) for who in info["refused"]]
+        keep = ("seconds", "messages_up", "messages_down", "bytes_up", "bytes_down", "rejected")
+        return FSGPResult(params=state.server.params, stats=state.server.stats,
+                          jitter=float(self.config.jitter), history=history,
+                          client_names=self._names, rejected=rejected,
+                          aggregation={k: info[k] for k in keep})
+
+
+def _checked(cfg: FSGPConfig) -> FSGPConfig:
+    check.positive_int(cfg.num_inducing, "num_inducing")
+    check.positive_int(cfg.local_steps, "local_steps")
+    check.optimizer(cfg.optimizer)
+    for name in ("init_lengthscale", "init_variance", "init_noise"):
+        check.positive(getattr(cfg, name), name)
+    check.positive(cfg.jitter, "jitter", allow_zero=True)
+    check.one_of(cfg.init_inducing, INIT_INDUCING, "init_inducing")
+    return cfg
+
+
+def _init_inducing(clients: Clients, cfg: FSGPConfig, dim: int, key: Array) -> Array:
+    M = cfg.num_inducing
+    if cfg.init_inducing == "random-normal":
         return jax.random.normal(key, (M, dim))
     pooled = np.concatenate([np.asarray(clients.client(k)[0], dtype=np.float64)
                              for k in range(clients.num_clients)])
     rows = jax.random.choice(key, pooled.shape[0], (M,), replace=False)
     return jnp.asarray(pooled[np.asarray(rows)])
-
-
-_stats_all = jax.jit(jax.vmap(alg.client_stats, in_axes=(None, 0, 0, 0)))
-_bounds_all = jax.jit(jax.vmap(alg.collapsed_bound, in_axes=(None, 0, 0, 0, None)))
-
-
-def _final_stats(params: alg.FSGPParams, clients: Clients) -> exact.Stats:
-    (X, y), masks = clients.stacked, clients.mask
-    stacked = _stats_all(params, X, y, masks)
-    msgs = [exact.Stats(*(leaf[k] for leaf in stacked)) for k in range(clients.num_clients)]
-    return alg.aggregate(msgs, clients.names)
-
-
-def fit_fsgp(clients: Clients, num_rounds: int, config: FSGPConfig = FSGPConfig(),
-             key: Array | None = None, callback: Callable[[int, dict], None] | None = None
-             ) -> FSGPResult:
-    """Train an FSGP for ``num_rounds`` synchronous FedAvg rounds and aggregate the statistics.
-
-    ``callback(round, info)`` is called after each round with ``info`` holding ``"bound"``,
-    ``"seconds"`` and ``"rejected"``. Raises ``ValueError`` for bad settings, for
-    ``num_inducing`` above the total data size, and (naming the client) for bad statistics.
-    """
-    _check_config(config, num_rounds)
-    dim = _check_clients(clients, config.num_inducing)
-    key = jax.random.key(0) if key is None else key
-    k_init, k_run = jax.random.split(key)
-    params = alg.init_params(_init_inducing(clients, config, dim, k_init), config.init_lengthscale,
-                             config.init_variance, config.init_noise)
-    (X, y), masks = clients.stacked, clients.mask
-    data = (X.astype(float), y.astype(float))
-    round_fn = _round_fn(float(config.learning_rate), int(config.local_steps), float(config.jitter))
-    bound0 = _bounds_all(params, data[0], data[1], masks, config.jitter)
-    history: dict[str, list] = {"round": [0], "bound": [float(jnp.sum(bound0))],
-                                "seconds": [0.0], "rejected": [[]]}
-    state = fedavg.init(params)
-    for r in range(1, num_rounds + 1):
-        k_run, k_round = jax.random.split(k_run)
-        start = time.perf_counter()
-        state, accepted, bounds = round_fn(state, data, masks, k_round)
-        bound = float(jnp.sum(jax.block_until_ready(bounds)))
-        seconds = time.perf_counter() - start
-        rejected = alg.rejected_names(accepted, clients.names)
-        for name, value in zip(("round", "bound", "seconds", "rejected"),
-                               (r, bound, seconds, rejected)):
-            history[name].append(value)
-        if callback is not None:
-            callback(r, {"round": r, "bound": bound, "seconds": seconds, "rejected": rejected})
-    return FSGPResult(state.params, _final_stats(state.params, clients), history, config.jitter)

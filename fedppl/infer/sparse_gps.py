@@ -1,88 +1,120 @@
-"""Front end for federated sparse GPs: PVI with an HVM over inducing locations, and baselines.
+"""``FederatedSGP``: federated sparse GPs, PVI with an HVM over inducing locations, and baselines.
 
 Methods: ``"dpo"`` / ``"cpo"`` (PVI with q(Z), decoupled or coupled pseudo-observations),
 ``"fedavg-z"`` (Alg. 1: point Z averaged by the server), ``"fixed"`` (Z fixed at a N(0, I) draw)
 and ``"global"`` (centralised SVGP on the pooled data: Z a point initialised at random training
 inputs; for a Gaussian likelihood q(u) is Titsias' optimum, for Bernoulli a free Gaussian).
+The algorithm is :mod:`fedppl.algorithms.sgp_pvi`'s trio, run by the embedded runtime:
+``schedule="sequential"`` takes one client per round, cycling through them (a round is one
+communication); ``"synchronous"`` takes every client each round (vmapped, damped).
 
 Example::
 
-    >>> clients = fedppl.partition.homogeneous(X, y, num_clients=10)
-    >>> res = fit_sgp("dpo", clients, num_rounds=30, config=SGPConfig(num_inducing=50))
-    >>> mean, var = res.predict(X_test)
-    >>> res.log_likelihood(X_test, y_test_original, y_mean=s.y_mean, y_std=s.y_std)
-    >>> rounds_to_convergence(res.history, tol=1.0)
+    >>> import jax, numpy as np, optax, fedppl
+    >>> rng = np.random.default_rng(0)
+    >>> X = rng.uniform(-2, 2, (40, 1)); y = np.sin(2 * X[:, 0]) + 0.1 * rng.normal(size=40)
+    >>> clients = fedppl.partition.homogeneous(X, y, num_clients=2, seed=0)
+    >>> sgp = FederatedSGP("dpo", num_inducing=5, local_steps=20, optimizer=optax.adam(1e-2))
+    >>> result = sgp.run(jax.random.key(0), clients, num_rounds=2, progress_bar=False)
+    >>> mean, var = result.predict(X[:3])
+    >>> mean.shape, result.history["round"].tolist(), result.history["communications"].tolist()
+    ((3,), [1, 2], [1, 2])
 """
 
 from __future__ import annotations
 
-import time
 import warnings
 from dataclasses import dataclass
-from functools import partial
-from typing import Any, Callable, NamedTuple
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
 import numpy as np
+import optax
 from jax import Array
 from jax.scipy.special import logsumexp
 
-from fedppl import metrics
+from fedppl import validation as check
 from fedppl.algorithms import sgp_pvi
 from fedppl.clients import Clients
-from fedppl.guides import sgp_guide as sg
+from fedppl.families import gaussian as g
+from fedppl.guides.sgp_guide import Pseudo
+from fedppl.infer import _gp_checks as chk
+from fedppl.infer.base import FederatedMethod, Result, RunState, num_bytes
 
-__all__ = ["SGPConfig", "SGPResult", "METHODS", "fit_sgp", "rounds_to_convergence"]
+__all__ = ["FederatedSGP", "SGPConfig", "SGPResult", "METHODS"]
 
 METHODS = ("dpo", "cpo", "fedavg-z", "fixed", "global")
+FREE_ENERGY_KEY = 12345   # common draws for the per-round free energy (a smooth curve)
+FREE_ENERGY_SAMPLES = 4
 
 
 class SGPConfig(NamedTuple):
+    """Settings of :class:`FederatedSGP` (each may also be given as a keyword argument).
+
+    ``optimizer``: any optax optimiser for the clients' local steps (and global VI's steps).
+    ``schedule``: ``"sequential"`` (one client per round, cycling) or ``"synchronous"``.
+    ``inner_steps``: FedAvg-Z's joint steps over (factor, Z) after ``local_steps``.
+    ``pseudo_init``: V_k from the client's inputs (``"data"``) or N(0, I) (``"prior"``).
+    ``fixed_hyper``: ``{"lengthscale", "variance", "noise"}`` held fixed instead of q(beta).
+    ``fixed_inducing``: a point Z held fixed (its rows give M).
+    """
+
     num_inducing: int = 100
     pseudo_fraction: float = 0.8
     max_pseudo: int = 500
     alpha: float = 0.1
-    learning_rate: float = 1e-2
+    optimizer: optax.GradientTransformation = optax.adam(1e-2)
     local_steps: int = 200
-    schedule: str = "sequential"   # or "synchronous"
+    schedule: str = "sequential"
     damping: float = 1.0
-    num_samples: int = 1           # MC samples of (beta, Z) per step
-    inner_steps: int = 200         # J for fedavg-z
+    num_samples: int = 1
+    inner_steps: int = 200
     init_precision: float = 100.0
-    covariance: str = "diag"       # DPO S_k: diag | full
-    likelihood: str = "gaussian"   # or "bernoulli"
+    covariance: str = "diag"
+    likelihood: str = "gaussian"
     fixed_hyper: dict | None = None
     fixed_inducing: Array | None = None
-    pseudo_init: str = "data"      # V_k from the client's inputs ("data") or N(0, I) ("prior")
+    pseudo_init: str = "data"
 
 
-@dataclass
-class SGPResult:
+@dataclass(kw_only=True)
+class SGPResult(Result):
+    """A fitted federated sparse GP. ``history`` (one row per round, round 1 first):
+    ``free_energy`` (global alpha-tempered free energy, MC with fixed draws),
+    ``local_free_energy`` (K,) (NaN for clients not in the round), ``communications`` and
+    ``passes`` (cumulative client updates, and over K), and the common keys."""
+
     method: str
-    state: sgp_pvi.SGPState
-    history: dict
+    state: sgp_pvi.ServerState
     spec: sgp_pvi.Spec
 
-    def _samples(self, X, key, num_samples):
-        key = jax.random.PRNGKey(1) if key is None else key
-        return _predict_jit(self.spec, self.state, jnp.asarray(X, float), key, num_samples)
+    def _samples(self, X: Any, rng_key: Array | None, num_samples: int):
+        X = chk.check_inputs(X, self.spec.input_dim)
+        check.positive_int(num_samples, "num_samples")
+        key = jax.random.key(1) if rng_key is None else rng_key
+        return _predict_jit(self.spec, self.state, jnp.asarray(X), key, num_samples)
 
-    def predict(self, X, key=None, num_samples: int = 100) -> tuple[Array, Array]:
-        """Mixture mean and variance of y (Gaussian likelihood) or of f (Bernoulli)."""
-        mu, var, noise = self._samples(X, key, num_samples)
+    def predict(self, X: Any, rng_key: Array | None = None, num_samples: int = 100
+                ) -> tuple[Array, Array]:
+        """Mixture mean and variance of y (Gaussian likelihood) or of f (Bernoulli), over
+        ``num_samples`` draws of (beta, Z) (fixed draws unless ``rng_key`` is given)."""
+        mu, var, noise = self._samples(X, rng_key, num_samples)
         extra = noise[:, None] if self.spec.likelihood == "gaussian" else 0.0
         mean = mu.mean(0)
         return mean, jnp.mean(var + extra + mu**2, 0) - mean**2
 
-    def predict_f(self, X, key=None, num_samples: int = 100) -> tuple[Array, Array]:
-        mu, var, _ = self._samples(X, key, num_samples)
+    def predict_f(self, X: Any, rng_key: Array | None = None, num_samples: int = 100
+                  ) -> tuple[Array, Array]:
+        """Mixture mean and variance of the latent f."""
+        mu, var, _ = self._samples(X, rng_key, num_samples)
         mean = mu.mean(0)
         return mean, jnp.mean(var + mu**2, 0) - mean**2
 
-    def predict_proba(self, X, key=None, num_samples: int = 100) -> Array:
+    def predict_proba(self, X: Any, rng_key: Array | None = None, num_samples: int = 100
+                      ) -> Array:
         """P(y = 1) for the Bernoulli likelihood (Gauss-Hermite over f, averaged over samples)."""
-        mu, var, _ = self._samples(X, key, num_samples)
+        mu, var, _ = self._samples(X, rng_key, num_samples)
         gx, gw = np.polynomial.hermite_e.hermegauss(32)
         f = mu[..., None] + jnp.sqrt(var)[..., None] * gx
         return jnp.mean(jax.nn.sigmoid(f) @ (gw / np.sqrt(2 * np.pi)), 0)
@@ -91,184 +123,263 @@ class SGPResult:
         """Mean and standard deviation of q(Z) (zeros for point estimates)."""
         if self.spec.z_mode != "hvm":
             return self.state.z_point, jnp.zeros_like(self.state.z_point)
-        mean, var = sgp_pvi.to_moments(sgp_pvi._q(self.state.z_prior, self.state.t_z))
-        return mean, jnp.sqrt(var)
+        return g.mean_and_scale_tril(sgp_pvi.q_z(self.state))
 
-    def log_likelihood(self, X, y, key=None, num_samples: int = 100, y_mean: float = 0.0,
-                       y_std: float = 1.0) -> float:
+    def log_likelihood(self, X: Any, y: Any, rng_key: Array | None = None,
+                       num_samples: int = 100, y_mean: float = 0.0, y_std: float = 1.0) -> float:
         """Average test log-likelihood in original units: log-mean-exp over the (beta, Z) samples
         of N(y_std_scaled; mu_s, var_s + noise_s), minus log(y_std) (Jacobian). Gaussian only."""
         if self.spec.likelihood != "gaussian":
             raise ValueError("log_likelihood is for the Gaussian likelihood; use predict_proba")
-        mu, var, noise = self._samples(X, key, num_samples)
-        ys = (jnp.asarray(y, float) - y_mean) / y_std
+        mu, var, noise = self._samples(X, rng_key, num_samples)
+        y = jnp.asarray(chk.check_targets(y, mu.shape[1]))
+        ys = (y - y_mean) / check.positive(y_std, "y_std")
         v = var + noise[:, None]
         logp = -0.5 * (jnp.log(2 * jnp.pi * v) + (ys - mu) ** 2 / v)
         return float(jnp.mean(logsumexp(logp, 0) - np.log(num_samples)) - np.log(y_std))
 
-    def rmse(self, X, y, key=None, num_samples: int = 100, y_mean: float = 0.0,
-             y_std: float = 1.0) -> float:
-        mean, _ = self.predict(X, key, num_samples)
-        return float(jnp.sqrt(jnp.mean((mean * y_std + y_mean - jnp.asarray(y, float)) ** 2)))
+    def rmse(self, X: Any, y: Any, rng_key: Array | None = None, num_samples: int = 100,
+             y_mean: float = 0.0, y_std: float = 1.0) -> float:
+        """Test RMSE of the predictive mean in original units."""
+        mean, _ = self.predict(X, rng_key, num_samples)
+        y = jnp.asarray(chk.check_targets(y, mean.shape[0]))
+        return float(jnp.sqrt(jnp.mean((mean * check.positive(y_std, "y_std") + y_mean - y) ** 2)))
+
+    def rounds_to_convergence(self, rel_tol: float = 0.01) -> int | None:
+        """First round after which the free energy stays within ``rel_tol`` of its range."""
+        return chk.converged_round(self.history["free_energy"], rel_tol)
+
+    def summary(self) -> dict[str, Any]:
+        return {**super().summary(), "method": self.method,
+                "free_energy": float(self.history["free_energy"][-1]),
+                "rounds_to_convergence": self.rounds_to_convergence()}
+
+    def to_arviz(self, rng_key: Array | None = None, num_samples: int = 1000):
+        """Posterior draws of the hyperparameters (where q(beta) is learnt), the inducing
+        locations (where q(Z) is), and the inducing outputs ``u`` given each draw; point values
+        as constant data. Needs ``pip install fedppl[arviz]``."""
+        key = jax.random.key(0) if rng_key is None else rng_key
+        num = check.positive_int(num_samples, "num_samples")
+        lb, Z, u = (np.asarray(a) for a in _sample_u_jit(self.spec, self.state, key, num))
+        hyper = _hyper_values(lb, self.spec)
+        posterior: dict[str, Any] = {"u": u}
+        constant: dict[str, Any] = {}
+        if self.spec.learn_hyper:
+            posterior.update(hyper)
+        else:
+            constant.update({k: v[0] for k, v in hyper.items()})
+        if self.spec.z_mode == "hvm":
+            posterior["Z"] = Z
+        else:
+            constant["Z"] = Z[0]
+        return chk.inference_data(posterior, constant, {
+            "method": self.method, "num_rounds": self.num_rounds,
+            "final_free_energy": float(self.history["free_energy"][-1])})
 
 
-@partial(jax.jit, static_argnums=(0, 4))
-def _predict_jit(spec, state, X, key, num):
-    return sgp_pvi.predictive_samples(spec, state, X, key, num)
+def _hyper_values(log_beta: np.ndarray, spec: sgp_pvi.Spec) -> dict[str, np.ndarray]:
+    D = spec.input_dim
+    out = {"lengthscale": np.exp(log_beta[:, :D]), "variance": np.exp(log_beta[:, D])}
+    if spec.likelihood == "gaussian":
+        out["noise"] = np.exp(log_beta[:, D + 1])
+    return out
 
 
-def rounds_to_convergence(history: dict, tol: float, key: str = "free_energy") -> int:
-    """First round after which ``history[key]`` stays within ``tol`` of its final value."""
-    if len(history[key]) == 0:
-        raise ValueError("empty history")
-    return int(history["round"][metrics.rounds_to_convergence(history[key], tol) - 1])
+_predict_jit = jax.jit(sgp_pvi.predictive_samples, static_argnums=(0, 4))
+_sample_u_jit = jax.jit(sgp_pvi.sample_u, static_argnums=(0, 3))
+_free_energy_jit = jax.jit(sgp_pvi.free_energy, static_argnums=(0, 6))
 
 
-# -- validation and set-up -------------------------------------------------------------------------
+class FederatedSGP(FederatedMethod):
+    """A federated sparse GP (see the module docstring for the methods).
+
+    :param method: ``"dpo"``, ``"cpo"``, ``"fedavg-z"``, ``"fixed"`` or ``"global"``.
+    :param config: an :class:`SGPConfig`; keyword arguments override its fields.
+    """
+
+    name = "FederatedSGP"
+    refusal = "non-finite update, or q(beta) or q(Z) improper with it"
+
+    def __init__(self, method: str = "dpo", config: SGPConfig | None = None, **settings: Any):
+        self.method = check.one_of(method, METHODS, "method")
+        if config is not None and not isinstance(config, SGPConfig):
+            raise TypeError(f"config must be an SGPConfig, got {type(config).__name__}")
+        unknown = set(settings) - set(SGPConfig._fields)
+        if unknown:
+            raise TypeError(f"unknown settings {sorted(unknown)}; FederatedSGP takes "
+                            f"{list(SGPConfig._fields)}")
+        self.config = _checked((config or SGPConfig())._replace(**settings))
+        self.optimizer = self.config.optimizer
+        sync = self.config.schedule == "synchronous" and method != "global"
+        self.schedule = "synchronous" if sync else "sequential"
+        self._trios: dict[sgp_pvi.Spec, Any] = {}
+
+    # -- set-up --------------------------------------------------------------------------------
+
+    def init(self, rng_key: Array, clients: Clients, **kwargs: Any) -> RunState:
+        """Check the clients' data (``(X, y)`` per client) against the settings and set up the
+        run (``"global"`` pools the clients first)."""
+        if kwargs:
+            raise TypeError(f"unexpected arguments {sorted(kwargs)}")
+        cfg = self.config
+        clients = chk.regression_clients(clients, binary=cfg.likelihood == "bernoulli")
+        if self.method == "global":
+            clients = clients.pooled()
+        _check_against_data(cfg, clients, self.method)
+        return super().init(rng_key, clients)
+
+    def _spec(self, D: int) -> sgp_pvi.Spec:
+        cfg, method = self.config, self.method
+        factor = {"cpo": "cpo", "global": "opt" if cfg.likelihood == "gaussian" else "cpo"}
+        z_mode = {"dpo": "hvm", "cpo": "hvm", "fedavg-z": "train", "fixed": "fixed",
+                  "global": "train"}[method]
+        if cfg.fixed_inducing is not None:
+            z_mode = "fixed"
+        return sgp_pvi.Spec(factor.get(method, "dpo"), cfg.covariance, cfg.likelihood, z_mode,
+                            cfg.fixed_hyper is None, float(cfg.alpha), int(cfg.local_steps),
+                            int(cfg.inner_steps) if method == "fedavg-z" else 0,
+                            int(cfg.num_samples), float(cfg.damping), D)
+
+    def _setup(self, rng_key: Array, clients: Clients, **kwargs: Any):
+        X_stack, y_stack = (np.asarray(a) for a in clients.stacked)
+        D = X_stack.shape[2]
+        spec = self._spec(D)
+        state = _initial_state(self.method, spec, self.config, clients, rng_key)
+        if spec not in self._trios:
+            self._trios[spec] = sgp_pvi.make_trio(spec, self.optimizer)
+        self._run_spec = spec
+        mask = np.asarray(clients.mask)
+        self._flat = (jnp.asarray(X_stack.reshape(-1, D)), jnp.asarray(y_stack.reshape(-1)),
+                      jnp.asarray(mask.reshape(-1)))
+        return self._trios[spec], self.schedule, state, sgp_pvi.ClientState()
+
+    # -- the front's hooks ---------------------------------------------------------------------
+
+    def _round_inputs(self, state: RunState):
+        """The key stream of the original ``fit_sgp``: one split per round; sequential rounds
+        take client ``round mod K`` only."""
+        K = state.masks.shape[0]
+        rng_key, k_round = jax.random.split(state.rng_key)
+        if self.schedule == "synchronous":
+            keys, active = jax.random.split(k_round, K), jnp.ones(K, bool)
+        else:
+            keys = jnp.stack([k_round] * K)
+            active = jnp.arange(K) == state.round % K
+        return rng_key, keys, active, k_round, jax.random.PRNGKey(FREE_ENERGY_KEY)
+
+    def _refused(self, replies: Array, active: np.ndarray) -> np.ndarray:
+        return ~np.asarray(replies, bool)
+
+    def _record(self, before, after, msgs, replies, active, rng_key) -> dict[str, Any]:
+        refused = [self._names[k] for k in np.nonzero(active & ~np.asarray(replies, bool))[0]]
+        if refused:
+            warnings.warn(f"round {after.round}: rejected non-finite or improper updates from "
+                          f"{refused}; their factors are unchanged", RuntimeWarning, stacklevel=4)
+        K = len(active)
+        comms = after.round * (K if self.schedule == "synchronous" else 1)
+        fe = _free_energy_jit(self._run_spec, after.server, *self._flat, rng_key,
+                              FREE_ENERGY_SAMPLES)
+        return {"free_energy": float(fe),
+                "local_free_energy": np.where(active, np.asarray(msgs.free_energy), np.nan),
+                "communications": comms, "passes": comms / K}
+
+    def _message_bytes(self, msgs: sgp_pvi.Message) -> int:
+        spec, one = self._run_spec, jax.tree_util.tree_map(lambda x: x[0], msgs)
+        sent = [one.pseudo]
+        sent += [g.num_bytes(one.t_beta)] if spec.learn_hyper else []
+        sent += [g.num_bytes(one.t_z)] if spec.z_mode == "hvm" else []
+        sent += [one.z_point] if spec.z_mode == "train" else []
+        return sum(s if isinstance(s, int) else num_bytes(s) for s in sent)
+
+    def _result(self, state: RunState, history, rejected) -> SGPResult:
+        return SGPResult(method=self.method, state=state.server, spec=self._run_spec,
+                         history=history, client_names=self._names, rejected=rejected)
 
 
-def _check(method: str, clients: Clients, config: SGPConfig) -> None:
-    if method not in METHODS:
-        raise ValueError(f"method must be one of {METHODS}, got {method!r}")
-    for name, value, allowed in (("schedule", config.schedule, ("sequential", "synchronous")),
-                                 ("covariance", config.covariance, ("diag", "full")),
-                                 ("likelihood", config.likelihood, ("gaussian", "bernoulli")),
-                                 ("pseudo_init", config.pseudo_init, ("data", "prior"))):
-        if value not in allowed:
-            raise ValueError(f"{name} must be one of {allowed}, got {value!r}")
-    if not 0 < config.pseudo_fraction <= 1:
-        raise ValueError(f"pseudo_fraction must be in (0, 1] (M_k <= N_k), got "
-                         f"{config.pseudo_fraction}")
-    if not 0 < config.damping <= 1 or config.alpha < 0 or config.num_inducing < 1:
-        raise ValueError("need 0 < damping <= 1, alpha >= 0 and num_inducing >= 1")
-    for k, arrays in enumerate(clients.data):
-        who = clients.names[k]
-        if len(arrays) != 2 or np.ndim(arrays[0]) != 2 or np.ndim(arrays[1]) != 1:
-            raise ValueError(f"{who}: need (X of shape (N, D), y of shape (N,))")
-        for a in arrays:
-            if not np.all(np.isfinite(np.asarray(a, float))):
-                raise ValueError(f"{who}: data contain NaN or infinite values")
-        if config.likelihood == "bernoulli" and not np.all(np.isin(arrays[1], (0, 1))):
-            raise ValueError(f"{who}: Bernoulli labels must be 0 or 1")
+# -- checks and the initial state ----------------------------------------------------------------
+
+
+def _checked(cfg: SGPConfig) -> SGPConfig:
+    """Every setting checked on its own (before any data is seen)."""
+    for name in ("num_inducing", "max_pseudo", "local_steps", "num_samples"):
+        check.positive_int(getattr(cfg, name), name)
+    check.positive_int(cfg.inner_steps, "inner_steps", minimum=0)
+    check.fraction(cfg.pseudo_fraction, "pseudo_fraction")
+    check.fraction(cfg.damping, "damping")
+    check.positive(cfg.alpha, "alpha", allow_zero=True)
+    check.positive(cfg.init_precision, "init_precision")
+    check.optimizer(cfg.optimizer)
+    check.one_of(cfg.schedule, ("sequential", "synchronous"), "schedule")
+    check.one_of(cfg.covariance, ("diag", "full"), "covariance")
+    check.one_of(cfg.likelihood, ("gaussian", "bernoulli"), "likelihood")
+    check.one_of(cfg.pseudo_init, ("data", "prior"), "pseudo_init")
+    if cfg.fixed_hyper is not None:
+        _check_hyper(cfg.fixed_hyper, cfg.likelihood)
+    if cfg.fixed_inducing is not None:
+        Z = chk.check_inputs(cfg.fixed_inducing, np.shape(cfg.fixed_inducing)[-1],
+                             "fixed_inducing")
+        if len(np.unique(Z, axis=0)) < len(Z):
+            warnings.warn("fixed_inducing has duplicate rows: K_ZZ is singular and only the "
+                          "jitter keeps it invertible (the duplicates add nothing)", stacklevel=3)
+    return cfg
+
+
+def _check_hyper(h: Any, likelihood: str) -> None:
+    need = {"lengthscale", "variance"} | ({"noise"} if likelihood == "gaussian" else set())
+    if not isinstance(h, dict) or not need <= set(h):
+        raise ValueError(f"fixed_hyper must be a dict with {sorted(need)}, got {h!r}")
+    for name in need:
+        values = np.asarray(h[name], dtype=float).reshape(-1)
+        if values.size == 0 or not np.all(np.isfinite(values)) or np.any(values <= 0):
+            raise ValueError(f"fixed_hyper[{name!r}] must be positive, got {h[name]!r}")
+
+
+def _check_against_data(cfg: SGPConfig, clients: Clients, method: str) -> None:
+    D = clients.data[0][0].shape[1]
+    if cfg.fixed_hyper is not None:
+        ls = np.asarray(cfg.fixed_hyper["lengthscale"], dtype=float)
+        if ls.ndim > 1 or ls.size not in (1, D):
+            raise ValueError(f"fixed_hyper['lengthscale'] must be a scalar or have {D} entries "
+                             f"(one per input), got shape {ls.shape}")
+    m = cfg.num_inducing
+    if cfg.fixed_inducing is not None:
+        shape = np.shape(cfg.fixed_inducing)
+        if shape[1] != D:
+            raise ValueError(f"fixed_inducing must have shape (M, {D}), got {shape}")
+        m = shape[0]
     n = int(clients.sizes.sum())
-    m = config.num_inducing if config.fixed_inducing is None else len(config.fixed_inducing)
     if m > n:
         raise ValueError(f"num_inducing={m} exceeds the total number of training points {n}")
 
 
-def _fixed_log_beta(config: SGPConfig, D: int) -> np.ndarray | None:
-    h = config.fixed_hyper
+def _fixed_log_beta(cfg: SGPConfig, D: int) -> np.ndarray | None:
+    h = cfg.fixed_hyper
     if h is None:
         return None
-    vals = [np.broadcast_to(np.asarray(h["lengthscale"], float), (D,)), [h["variance"]]]
-    if config.likelihood == "gaussian":
-        vals.append([h["noise"]])
-    out = np.log(np.concatenate(vals))
-    if not np.all(np.isfinite(out)):
-        raise ValueError(f"fixed_hyper values must be positive, got {h}")
-    return out
+    vals = [np.broadcast_to(np.asarray(h["lengthscale"], float), (D,)),
+            np.asarray([h["variance"]], float)]
+    if cfg.likelihood == "gaussian":
+        vals.append(np.asarray([h["noise"]], float))
+    return np.log(np.concatenate(vals))
 
 
-def _spec(method: str, config: SGPConfig, D: int) -> sgp_pvi.Spec:
-    factor = {"cpo": "cpo", "global": "opt" if config.likelihood == "gaussian" else "cpo"}
-    z_mode = {"dpo": "hvm", "cpo": "hvm", "fedavg-z": "train", "fixed": "fixed",
-              "global": "train"}[method]
-    if config.fixed_inducing is not None:
-        z_mode = "fixed"
-    return sgp_pvi.Spec(factor.get(method, "dpo"), config.covariance, config.likelihood, z_mode,
-                        config.fixed_hyper is None, float(config.alpha),
-                        float(config.learning_rate), int(config.local_steps),
-                        int(config.inner_steps) if method == "fedavg-z" else 0,
-                        int(config.num_samples), float(config.damping), D)
-
-
-def _init(method, spec, config, clients, key) -> sgp_pvi.SGPState:
+def _initial_state(method: str, spec: sgp_pvi.Spec, cfg: SGPConfig, clients: Clients,
+                   key: Array) -> sgp_pvi.ServerState:
     X_stack, y_stack = (np.asarray(a) for a in clients.stacked)
     mask, sizes = np.asarray(clients.mask), clients.sizes
-    num_pseudo = np.maximum(1, np.minimum((config.pseudo_fraction * sizes).astype(int),
-                                          config.max_pseudo))
-    z_init, pseudo, m = config.fixed_inducing, None, config.num_inducing
+    num_pseudo = np.maximum(1, np.minimum((cfg.pseudo_fraction * sizes).astype(int),
+                                          cfg.max_pseudo))
+    pseudo, m = None, cfg.num_inducing
+    z_init = None if cfg.fixed_inducing is None else np.asarray(cfg.fixed_inducing, float)
     if z_init is not None:
-        z_init = np.asarray(z_init, float)
         m = len(z_init)
-        if len(np.unique(z_init, axis=0)) < m:
-            warnings.warn("fixed_inducing has duplicate rows: K_ZZ is singular and only the "
-                          "jitter keeps it invertible (the duplicates add nothing)", stacklevel=3)
     if method == "global":
         if z_init is None:
             rng = np.random.default_rng(int(jax.random.randint(key, (), 0, 2**31 - 1)))
             z_init = X_stack[0][rng.choice(sizes[0], size=m, replace=False)]
         if spec.factor == "opt":
-            pseudo = sg.Pseudo(X_stack, y_stack, np.zeros_like(y_stack))
-    return sgp_pvi.init(spec, key, X_stack, mask, sizes, m, num_pseudo, config.init_precision,
-                        config.pseudo_init == "data", z_init, _fixed_log_beta(config, X_stack.shape[2]),
-                        pseudo)
+            pseudo = Pseudo(X_stack, y_stack, np.zeros_like(y_stack))
+    return sgp_pvi.init(spec, key, X_stack, mask, sizes, m, num_pseudo, cfg.init_precision,
+                        cfg.pseudo_init == "data", z_init,
+                        _fixed_log_beta(cfg, X_stack.shape[2]), pseudo)
 
-
-@partial(jax.jit, static_argnums=0)
-def _sequential_round(spec, state, k, X, y, mask, key):
-    msg, fe = sgp_pvi.client_update(spec, state, k, (X[k], y[k], mask[k]), key)
-    new, ok = sgp_pvi.server_update(spec, state, sgp_pvi.expand(msg), k[None])
-    return new, ok, fe
-
-
-@partial(jax.jit, static_argnums=0)
-def _synchronous_round(spec, state, X, y, mask, key):
-    K = X.shape[0]
-    idx = jnp.arange(K)
-    upd = jax.vmap(sgp_pvi.client_update, (None, None, 0, 0, 0))
-    msgs, fe = upd(spec, state, idx, (X, y, mask), jax.random.split(key, K))
-    new, ok = sgp_pvi.server_update(spec, state, msgs, idx)
-    return new, ok, jnp.sum(fe)
-
-
-@partial(jax.jit, static_argnums=(0, 6))
-def _free_energy(spec, state, X, y, mask, key, num):
-    return sgp_pvi.free_energy(spec, state, X, y, mask, key, num)
-
-
-def fit_sgp(method: str, clients: Clients, num_rounds: int, config: SGPConfig = SGPConfig(),
-            key: Array | None = None, callback: Callable[[int, dict], None] | None = None
-            ) -> SGPResult:
-    """Run ``num_rounds`` communications (sequential: one client each, cycling; synchronous: all
-    clients per round; global: rounds of ``local_steps`` steps on the pooled data)."""
-    _check(method, clients, config)
-    if method == "global":
-        clients = clients.pooled()
-    key = jax.random.PRNGKey(0) if key is None else key
-    X, y = (jnp.asarray(a, float) for a in clients.stacked)
-    mask, K = clients.mask, clients.num_clients
-    spec = _spec(method, config, X.shape[2])
-    key, k0 = jax.random.split(key)
-    state = _init(method, spec, config, clients, k0)
-    sync = config.schedule == "synchronous" and method != "global"
-    flat = (X.reshape(-1, X.shape[2]), y.reshape(-1), mask.reshape(-1))
-    history: dict[str, list[Any]] = {k: [] for k in ("round", "communications", "passes",
-                                                     "free_energy", "local_free_energy",
-                                                     "seconds", "rejected")}
-    fe_key = jax.random.PRNGKey(12345)
-    for r in range(num_rounds):
-        key, kr = jax.random.split(key)
-        t0 = time.perf_counter()
-        if sync:
-            state, ok, local = _synchronous_round(spec, state, X, y, mask, kr)
-            who = list(range(K))
-        else:
-            k = r % K
-            state, ok, local = _sequential_round(spec, state, jnp.asarray(k), X, y, mask, kr)
-            who = [k]
-        jax.block_until_ready(state)
-        seconds = time.perf_counter() - t0
-        rejected = [clients.names[c] for c, a in zip(who, np.asarray(ok)) if not a]
-        if rejected:
-            warnings.warn(f"round {r}: rejected non-finite or improper updates from {rejected}",
-                          stacklevel=2)
-        comms = (r + 1) * (K if sync else 1)
-        record = {"round": r + 1, "communications": comms, "passes": comms / K,
-                  "free_energy": float(_free_energy(spec, state, *flat, fe_key, 4)),
-                  "local_free_energy": float(local), "seconds": seconds, "rejected": rejected}
-        for name, value in record.items():
-            history[name].append(value)
-        if callback is not None:
-            callback(r + 1, record)
-    return SGPResult(method, state, history, spec)

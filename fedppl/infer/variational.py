@@ -22,7 +22,6 @@ Example (logistic regression on 4 clients, against the pooled fit it converges t
 
 from __future__ import annotations
 
-import time
 import warnings
 from dataclasses import dataclass, field
 from functools import partial
@@ -33,8 +32,8 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 from jax import Array
-from tqdm.auto import tqdm
 
+from fedppl import validation
 from fedppl.algorithms import conjugate, natural_gradient, polya_gamma, pvi
 from fedppl.algorithms.natural_gradient import PriorSolver
 from fedppl.clients import Clients
@@ -203,7 +202,8 @@ class PVI(FederatedMethod):
         self.schedule = schedule
         self.damping = float(damping)
         self.solver = solver
-        self.optimizer = optimizer if optimizer is not None else optax.adam(1e-2)
+        self.optimizer = (optax.adam(1e-2) if optimizer is None
+                          else validation.optimizer(optimizer))
         self.local_steps = None if local_steps is None else int(local_steps)
         self.num_particles = None if num_particles is None else int(num_particles)
         self.local_tol = local_tol
@@ -225,8 +225,7 @@ class PVI(FederatedMethod):
         data = tuple(a[0] for a in clients.stacked)
         self.guide.setup(*clients.client(0), **model_kwargs)
         has_local = self.guide.local_layout is not None
-        if has_local:
-            _check_local_shapes(self.guide, clients, model_kwargs)
+        _check_clients(self.guide, clients, model_kwargs)
         correction = self.guide.prior_correction
         fold_prior = self._pooled and correction is not None
 
@@ -286,6 +285,13 @@ class PVI(FederatedMethod):
         if resume is not None:
             factors = resume.factors
         factors = self.init_factors(K) if factors is None else g.strong(factors)
+        want = self.init_factors(K)
+        if jax.tree_util.tree_map(jnp.shape, factors) != jax.tree_util.tree_map(jnp.shape, want):
+            raise ValueError(
+                "the factors to resume from do not fit this model and these clients: shapes "
+                f"{jax.tree_util.tree_map(jnp.shape, factors)}, expected "
+                f"{jax.tree_util.tree_map(jnp.shape, want)} (a different number of clients or "
+                "of features?)")
         t0 = None
         if prior_solver is not None:
             t0 = (resume.prior_factor if resume is not None and resume.prior_factor is not None
@@ -398,22 +404,39 @@ class PVI(FederatedMethod):
         stop = None if tol is None else (lambda info: info["kl_change"] <= tol)
         return self._loop(state, num_rounds, progress_bar, stop)
 
-def _check_local_shapes(guide: PVIGuide, clients: Clients, model_kwargs: dict) -> None:
-    """Every client's model must give each local site the shape of the padded prototype."""
+def _check_clients(guide: PVIGuide, clients: Clients, model_kwargs: dict) -> None:
+    """Before anything is compiled: every client's observations lie in their likelihood's
+    support (Bernoulli labels in {0, 1}, counts non-negative integers...), and every client's
+    model gives each local site the shape of the padded prototype."""
     from numpyro import handlers
 
-    want = {s.name: s.shape for s in guide.local_layout.sites}
+    want = {} if guide.local_layout is None else {s.name: s.shape
+                                                  for s in guide.local_layout.sites}
     for k in range(clients.num_clients):
-        tr = handlers.trace(handlers.seed(guide.model, 0)).get_trace(*clients.client(k),
-                                                                     **model_kwargs)
+        who = clients.names[k]
+        try:
+            tr = handlers.trace(handlers.seed(guide.model, 0)).get_trace(*clients.client(k),
+                                                                         **model_kwargs)
+        except Exception as err:  # the model's own error, with the client's name
+            raise ValueError(f"{who}: the model fails on this client's data: {err}") from err
+        for name, site in tr.items():
+            if site["type"] != "sample" or not site["is_observed"]:
+                continue
+            inside = np.asarray(site["fn"].support(site["value"]))
+            if not inside.all():
+                bad = np.asarray(site["value"])[~inside] if inside.shape == np.shape(
+                    site["value"]) else np.asarray(site["value"]).ravel()[:5]
+                raise ValueError(f"{who}: observed site '{name}' has values outside its "
+                                 f"distribution's support {site['fn'].support} (e.g. "
+                                 f"{np.unique(bad)[:5].tolist()})")
         for name, shape in want.items():
             if name not in tr:
-                raise ValueError(f"{clients.names[k]}: the model has no local site '{name}' with "
-                                 "this client's data")
+                raise ValueError(f"{who}: the model has no local site '{name}' with this "
+                                 "client's data")
             got = tuple(jnp.shape(tr[name]["value"]))
             if got != shape:
                 raise ValueError(
-                    f"local site '{name}' has shape {got} for {clients.names[k]} but {shape} for "
+                    f"local site '{name}' has shape {got} for {who} but {shape} for "
                     f"{clients.names[0]}; every client's private guide must have one shape. Give "
                     "the model the number of groups as a static keyword argument (the largest "
                     "over clients; groups without data keep their prior)"

@@ -11,18 +11,30 @@ computed in whitened coordinates ``v = L^-1 u`` (``K = L L'``): ``q(v) = N(P^-1 
 ``O(sum_k M_k M^2 + M^3)``); no N x N or (sum M_k) x (sum M_k) matrix is ever formed.
 
 The log hyperparameters ``log_beta = [log lengthscale (D), log variance, log noise]`` (no noise for
-the Bernoulli likelihood) carry LogNormal(0, 1) priors.
+the Bernoulli likelihood) carry LogNormal(0, 1) priors; :func:`split_hyper` reads them as a
+:class:`~fedppl.models.kernels.SEParams`. :func:`collapsed_bound` is Titsias' collapsed bound (the
+objective FSGP averages, and the reference the federated free energy is tested against).
 
 Example::
 
-    >>> post = posterior_from_B(kzz(Z, hyper), B, b)     # whitened q(u)
-    >>> mean, var = predict_f(post, se(X, Z, ls, var), jnp.full(len(X), var))
-    >>> ell = expected_log_lik("gaussian", y, mean, var, noise, mask)
+    >>> import jax.numpy as jnp
+    >>> from fedppl.models.kernels import SEParams
+    >>> X = jnp.linspace(-1.0, 1.0, 6)[:, None]
+    >>> y = jnp.sin(3.0 * X[:, 0])
+    >>> hyper = SEParams.init(1, lengthscale=0.5, noise=0.1)
+    >>> L = jnp.linalg.cholesky(kzz(X, hyper))              # inducing points at the data
+    >>> post = posterior(L, jnp.zeros((6, 6)), jnp.zeros(6))  # the prior, whitened
+    >>> mean, var = predict_f(post, hyper.kernel(X, X), jnp.full(6, hyper.variance))
+    >>> float(jnp.max(jnp.abs(mean)))                          # the prior's mean
+    0.0
+    >>> [round(float(collapsed_bound(X, y, Z, hyper)), 2) for Z in (X, X[::2])]  # Z = X is best
+    [-4.73, -71.77]
 """
 
 from __future__ import annotations
 
-from typing import Callable, NamedTuple
+from collections.abc import Callable
+from typing import Any, NamedTuple
 
 import jax.numpy as jnp
 import jax.scipy.linalg as jsl
@@ -31,20 +43,14 @@ import numpyro
 import numpyro.distributions as dist
 from jax import Array
 
-from fedppl.models.kernels import se
+from fedppl.models.kernels import SEParams, se
 
-__all__ = ["JITTER", "Hyper", "num_hyper", "split_hyper", "kzz", "Whitened", "posterior",
-           "posterior_from_B", "moments", "predict_f", "kl_whitened", "expected_log_lik", "titsias_elbo",
-           "local_model"]
+__all__ = ["JITTER", "num_hyper", "split_hyper", "kzz", "Whitened", "posterior",
+           "posterior_from_B", "moments", "predict_f", "kl_whitened", "expected_log_lik",
+           "masked", "collapsed_bound", "local_model"]
 
 JITTER = 1e-6
 _GH_X, _GH_W = np.polynomial.hermite_e.hermegauss(32)  # probabilists' Gauss-Hermite
-
-
-class Hyper(NamedTuple):
-    lengthscale: Array
-    variance: Array
-    noise: Array  # observation noise standard deviation (unused for Bernoulli)
 
 
 def num_hyper(input_dim: int, likelihood: str) -> int:
@@ -52,16 +58,17 @@ def num_hyper(input_dim: int, likelihood: str) -> int:
     return input_dim + (2 if likelihood == "gaussian" else 1)
 
 
-def split_hyper(log_beta: Array, input_dim: int) -> Hyper:
-    beta = jnp.exp(log_beta)
-    noise = beta[input_dim + 1] if beta.shape[-1] > input_dim + 1 else jnp.asarray(1.0)
-    return Hyper(beta[:input_dim], beta[input_dim], noise)
+def split_hyper(log_beta: Array, input_dim: int) -> SEParams:
+    """``log_beta`` as kernel hyperparameters (noise sd 1 when it has no noise entry)."""
+    log_noise = log_beta[input_dim + 1] if log_beta.shape[-1] > input_dim + 1 else jnp.asarray(0.0)
+    return SEParams(log_beta[:input_dim], log_beta[input_dim], log_noise)
 
 
-def kzz(Z: Array, hyper: Hyper, jitter: float = JITTER) -> Array:
-    """``K_ZZ + jitter * variance * I`` (the jitter is relative to the kernel variance)."""
+def kzz(Z: Array, hyper: SEParams, jitter: float = JITTER, relative: bool = True) -> Array:
+    """``K_ZZ + jitter I``, the jitter times the kernel variance when ``relative``."""
     K = se(Z, Z, hyper.lengthscale, hyper.variance)
-    return K + jitter * hyper.variance * jnp.eye(Z.shape[0], dtype=K.dtype)
+    shift = jitter * hyper.variance if relative else jitter
+    return K + shift * jnp.eye(Z.shape[0], dtype=K.dtype)
 
 
 class Whitened(NamedTuple):
@@ -94,7 +101,7 @@ def _vmean(w: Whitened) -> Array:
 
 
 def moments(w: Whitened) -> tuple[Array, Array]:
-    """Mean and covariance of ``u`` (for tests and inspection; ``O(M^3)``)."""
+    """Mean and covariance of ``u`` (``O(M^3)``)."""
     half = jsl.solve_triangular(w.C, w.L.T, lower=True)  # C^-1 L'
     return w.L @ _vmean(w), half.T @ half
 
@@ -133,25 +140,38 @@ def expected_log_lik(likelihood: str, y: Array, mean: Array, var: Array, noise: 
     return jnp.sum(terms if mask is None else jnp.where(mask, terms, 0.0))
 
 
-def titsias_elbo(X: Array, y: Array, Z: Array, hyper: Hyper, jitter: float = JITTER) -> Array:
-    """Closed-form collapsed bound of Titsias (2009): ``log N(y|0, Q + s2 I) - tr(K - Q)/(2 s2)``.
-
-    Uses the Woodbury identity (``O(N M^2)``). A reference for the free energy estimator."""
-    s2 = hyper.noise**2
-    K = kzz(Z, hyper, jitter)
-    L = jnp.linalg.cholesky(K)
-    W = jsl.solve_triangular(L, se(Z, X, hyper.lengthscale, hyper.variance), lower=True)
-    Pm = jnp.eye(Z.shape[0]) + W @ W.T / s2
-    Cp = jnp.linalg.cholesky(Pm)
-    r = jsl.solve_triangular(Cp, W @ y, lower=True) / s2
-    n = y.shape[0]
-    quad = y @ y / s2 - r @ r
-    logdet = n * jnp.log(s2) + 2 * jnp.sum(jnp.log(jnp.diagonal(Cp)))
-    trace = (n * hyper.variance - jnp.sum(W**2)) / s2
-    return -0.5 * (n * jnp.log(2 * jnp.pi) + logdet + quad + trace)
+def masked(X: Array, y: Array, mask: Array | None) -> tuple[Array, Array, Array]:
+    """Zero the padded rows (with ``where``, so NaN padding cannot leak into values or grads)."""
+    if mask is None:
+        return X, y, jnp.ones(X.shape[0], dtype=bool)
+    mask = jnp.asarray(mask, dtype=bool)
+    return jnp.where(mask[:, None], X, 0.0), jnp.where(mask, y, 0.0), mask
 
 
-def local_model(u_term: Callable[[Array, Array], Array], beta_cavity: tuple[Array, Array] | None,
+def collapsed_bound(X: Array, y: Array, Z: Array, hyper: SEParams, mask: Array | None = None,
+                    jitter: float = JITTER, relative: bool = True) -> Array:
+    """Titsias' collapsed bound ``log N(y | 0, Q + s2 I) - tr(K_NN - Q) / (2 s2)`` in nats.
+
+    ``Q = K_NZ K_ZZ^-1 K_ZN`` (``K_ZZ`` from :func:`kzz` with ``jitter`` and ``relative``); rows
+    with ``mask == False`` are ignored (N counts real rows). Computed through Cholesky factors of
+    ``K_ZZ`` and ``I + L^-1 K_ZN K_NZ L^-T / s2`` (``O(N M^2)``).
+    """
+    X, y, mask = masked(X, y, mask)
+    s2 = hyper.noise_var
+    n = jnp.sum(mask)
+    L = jnp.linalg.cholesky(kzz(Z, hyper, jitter, relative))
+    Kuf = jnp.where(mask[None, :], hyper.kernel(Z, X), 0.0)
+    A = jsl.solve_triangular(L, Kuf, lower=True) / jnp.sqrt(s2)  # (M, N)
+    AAT = A @ A.T
+    LB = jnp.linalg.cholesky(jnp.eye(AAT.shape[0]) + AAT)
+    c = jsl.solve_triangular(LB, A @ y, lower=True) / jnp.sqrt(s2)
+    trace_knn = n * hyper.variance  # SE kernel: diagonal is the variance
+    return (-0.5 * n * jnp.log(2.0 * jnp.pi * s2) - jnp.sum(jnp.log(jnp.diagonal(LB)))
+            - 0.5 * (y @ y) / s2 + 0.5 * (c @ c)
+            - 0.5 * trace_knn / s2 + 0.5 * jnp.trace(AAT))
+
+
+def local_model(u_term: Callable[[Any, Any], Array], beta_cavity: tuple[Array, Array] | None,
                 z_cavity: tuple[Array, Array] | None, log_beta: Array | None = None,
                 Z: Array | None = None) -> None:
     """The client's model with the cavity in place of the prior (PVI's local free energy).

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import argparse
 
+from fedppl_experiments.commands.arguments import positive_int
+
 __all__ = ["register", "run"]
 
 
@@ -11,9 +13,9 @@ def register(sub: argparse._SubParsersAction) -> None:
     """Add the ``demo`` subcommand to ``fedppl``'s parser."""
     demo = sub.add_parser("demo", help="federated Bayesian logistic regression on a built-in "
                                        "dataset: table of PVI vs global VI vs clients alone")
-    demo.add_argument("--clients", type=int, default=10, help="number of clients (10)")
-    demo.add_argument("--rounds", type=int, default=10, help="PVI rounds (10)")
-    demo.add_argument("--local-steps", type=int, default=100,
+    demo.add_argument("--clients", type=positive_int, default=10, help="number of clients (10)")
+    demo.add_argument("--rounds", type=positive_int, default=10, help="PVI rounds (10)")
+    demo.add_argument("--local-steps", type=positive_int, default=100,
                       help="cap on the local step's iterations per update")
     demo.add_argument("--out", default="fedppl-demo.png", help="plot file ('' for none)")
     demo.add_argument("--seed", type=int, default=0)

@@ -5,28 +5,9 @@ from __future__ import annotations
 import argparse
 import json
 
+from fedppl_experiments.commands.arguments import non_negative, positive_int
+
 __all__ = ["register", "run"]
-
-
-def _positive_int(text: str) -> int:
-    """An argparse type: a whole number >= 1 (``--rounds 0`` is refused before anything runs)."""
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"must be a positive integer, got {text!r}") from None
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"must be a positive integer, got {text!r}")
-    return value
-
-
-def _non_negative(text: str) -> float:
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"must be a number, got {text!r}") from None
-    if not value >= 0 or value == float("inf"):
-        raise argparse.ArgumentTypeError(f"must be a non-negative finite number, got {text!r}")
-    return value
 
 
 def register(sub: argparse._SubParsersAction) -> None:
@@ -34,15 +15,15 @@ def register(sub: argparse._SubParsersAction) -> None:
     fb = sub.add_parser("fedbnr", help="FedBNR (random-feature GP, exact last layer) on a UCI "
                                        "folder: variants and ablations of the FedBNR paper")
     fb.add_argument("--data", required=True, help="a UCI dataset folder (data.txt, index_*.txt)")
-    fb.add_argument("--clients", type=_positive_int, default=10)
+    fb.add_argument("--clients", type=positive_int, default=10)
     fb.add_argument("--variant", nargs="+", default=["avg"],
                     help="avg (FedBNR), kd (FedBNR-KD), central, local+local, local+global, "
                          "avg+local, kd+local, or all")
     fb.add_argument("--seed", type=int, default=0)
-    fb.add_argument("--rounds", type=_positive_int, default=20, help="aggregation rounds (20)")
-    fb.add_argument("--local-steps", type=_positive_int, default=20,
+    fb.add_argument("--rounds", type=positive_int, default=20, help="aggregation rounds (20)")
+    fb.add_argument("--local-steps", type=positive_int, default=20,
                     help="full-batch steps per round")
-    fb.add_argument("--kd-alpha", type=_non_negative, default=5.0)
+    fb.add_argument("--kd-alpha", type=non_negative, default=5.0)
     fb.add_argument("--json", help="write the results here")
     fb.add_argument("--no-progress", action="store_true", help="hide progress bars")
 

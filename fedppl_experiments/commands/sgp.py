@@ -1,4 +1,5 @@
-"""``fedppl sgp``: federated sparse GPs on a UCI folder (DPO, CPO, FedAvg-Z, fixed Z, global VI, FSGP).
+"""``fedppl sgp``: federated sparse GPs on a UCI folder (DPO, CPO, FedAvg-Z, fixed Z, global VI,
+FSGP).
 
 Example::
 

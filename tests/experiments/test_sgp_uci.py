@@ -12,13 +12,6 @@ needs_data = pytest.mark.skipif(not YACHT.is_dir(),
                                 reason=f"UCI data not found at {YACHT} (../shared/data absent)")
 
 
-def test_converged_round():
-    assert sgp_uci._converged([0.0, 5.0, 9.0, 9.99, 10.0]) == 4
-    assert sgp_uci._converged([1.0, 1.0]) == 1
-    assert sgp_uci._converged([]) is None
-    assert sgp_uci._converged([0.0, float("nan")]) is None
-
-
 def test_unknown_method_is_named():
     with pytest.raises(ValueError, match="unknown method 'svgp'"):
         sgp_uci.fit_one("svgp", None, 1)
@@ -51,3 +44,5 @@ def test_short_runs_score_in_original_units():
         # yacht's target spans ~0-60 in original units: an RMSE in standardised units would be ~1
         assert 1.0 < r["rmse"] < 30.0
         assert r["seconds_per_round"] > 0
+        assert r["rounds_to_convergence"] is None or 1 <= r["rounds_to_convergence"] <= 3
+        assert r["history"]["round"] == [1, 2, 3]

@@ -11,13 +11,14 @@ import numpyro
 import pytest
 
 from fedppl.algorithms import sgp_pvi
+from fedppl.families import gaussian as g
 from fedppl.families.gaussian import DiagGaussian
 from fedppl.guides import sgp_guide as sg
 from fedppl.handlers.tempered import tempered
 from fedppl.models import sparse_gp as sgp
-from fedppl.models.kernels import se
+from fedppl.models.kernels import SEParams, se
 
-HYP = sgp.Hyper(jnp.array([0.9]), jnp.asarray(1.4), jnp.asarray(0.2))
+HYP = SEParams(jnp.log(jnp.array([0.9])), jnp.log(1.4), jnp.log(0.2))
 
 
 def _brute(Z, factors):
@@ -44,8 +45,8 @@ def _pseudo_stack(rng, M_ks, m_max, full):
         V = np.concatenate([rng.normal(size=(Mk, 1)), np.zeros((m_max - Mk, 1))])
         m = np.concatenate([rng.normal(size=Mk), np.zeros(m_max - Mk)])
         if full:
-            raw = np.tril(0.3 * rng.normal(size=(m_max, m_max)))
-            Ls = np.asarray(sg.tril_param(raw))[:Mk, :Mk]
+            raw = 0.3 * rng.normal(size=sg.tril_size(m_max))
+            Ls = np.asarray(sg.lower_cholesky(raw))[:Mk, :Mk]
             S = Ls @ Ls.T
         else:
             raw = rng.normal(size=m_max) * 0.3 - 1.0
@@ -75,19 +76,32 @@ def test_dpo_stats_and_cavity_match_brute_force(full):
 def test_cpo_stats_match_brute_force():
     rng = np.random.default_rng(1)
     Z = rng.normal(size=(4, 1))
-    raws = [np.tril(0.4 * rng.normal(size=(4, 4))) for _ in range(2)]
+    raws = [0.4 * rng.normal(size=sg.tril_size(4)) for _ in range(2)]
     ms = [rng.normal(size=4) for _ in range(2)]
     stack = sg.Pseudo(jnp.zeros((2, 0, 1)), jnp.asarray(np.stack(ms)), jnp.asarray(np.stack(raws)))
     L = jnp.linalg.cholesky(sgp.kzz(Z, HYP))
     A, c = sg.summed_stats("cpo", "diag", stack, jnp.ones((2, 4), bool), jnp.ones(2), Z, HYP, L)
     dense = []
-    for raw, m in zip(raws, ms):
-        R = np.asarray(sg.tril_param(raw))
+    for raw, m in zip(raws, ms, strict=True):
+        R = np.asarray(sg.lower_cholesky(raw))
         dense.append(("cpo", None, m, np.linalg.inv(R @ R.T)))
     mean, cov = sgp.moments(sgp.posterior(L, A, c))
     bm, bc = _brute(Z, dense)
     np.testing.assert_allclose(mean, bm, rtol=1e-8, atol=1e-10)
     np.testing.assert_allclose(cov, bc, rtol=1e-8, atol=1e-10)
+
+
+def test_lower_cholesky_is_numpyros_bijection_and_initial_factors_are_weak():
+    raw = np.arange(1.0, 7.0) / 10  # 3 x 3: strictly lower entries first, then the log diagonal
+    R = np.asarray(sg.lower_cholesky(raw))
+    np.testing.assert_allclose(R, [[np.exp(0.4), 0, 0], [0.1, np.exp(0.5), 0],
+                                   [0.2, 0.3, np.exp(0.6)]], rtol=1e-15)
+    cpo = sg.init_cpo(3, 2, precision=1e-2)
+    P = np.asarray(sg._cpo_prec(cpo.s_raw))
+    np.testing.assert_allclose(P, 1e-2 * np.eye(3), rtol=1e-14)
+    dpo, mask = sg.init_dpo(np.random.default_rng(0), np.ones((4, 1)), 2, 3, "full", False)
+    np.testing.assert_array_equal(sg.lower_cholesky(dpo.s_raw), np.eye(3))  # S = I
+    assert mask.tolist() == [True, True, False]
 
 
 def test_guide_samples_z_directly_so_tempered_scales_it():
@@ -113,15 +127,14 @@ def test_alpha_scales_exactly_the_z_kl():
     fes = {}
     for alpha in (0.1, 1.0, 0.0):
         spec, state, data = _spec_state(alpha)
-        lq = sg.local_q_from(sgp_pvi._q(state.beta_prior, state.t_beta),
-                             sgp_pvi._q(state.z_prior, state.t_z))
+        lq = sg.local_q_from(sgp_pvi.q_beta(state), sgp_pvi.q_z(state))
         params = (lq, jax.tree_util.tree_map(lambda a: a[0], state.pseudo), state.z_point)
-        fe = jax.jit(lambda p: sgp_pvi.local_free_energy(spec, state, 0, data, p,
-                                                         jax.random.PRNGKey(7)))
+        fe = jax.jit(partial(sgp_pvi.local_free_energy, spec, state, 0, data,
+                             key=jax.random.PRNGKey(7)))
         fes[alpha] = float(fe(params))
-    q = sgp_pvi._q(state.z_prior, state.t_z)
-    cav = sgp_pvi._cavity(state.z_prior, state.t_z, 0)
-    kl_z = float(sgp_pvi._kl_diag(q, cav))
+    q = sgp_pvi.q_z(state)
+    cav = sgp_pvi.cavity(state.z_prior, state.t_z, 0)
+    kl_z = float(jnp.sum(g.kl(q, cav)))
     assert kl_z > 1.0
     np.testing.assert_allclose(fes[0.1] - fes[1.0], 0.9 * kl_z, rtol=1e-9)
     np.testing.assert_allclose(fes[0.0] - fes[1.0], kl_z, rtol=1e-9)

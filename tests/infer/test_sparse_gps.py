@@ -1,15 +1,21 @@
-"""Front end: exactness against the exact GP, federated runs, bad input."""
+"""FederatedSGP: exactness against the exact GP, federated runs through the one front, bad input."""
 
 from __future__ import annotations
 
+import dataclasses
+import json
+
+import jax
 import jax.numpy as jnp
 import numpy as np
+import optax
 import pytest
 
 from fedppl import partition
 from fedppl.clients import Clients
+from fedppl.infer.base import COMMON_HISTORY
+from fedppl.infer.sparse_gps import FederatedSGP, SGPConfig
 from fedppl.models import gp
-from fedppl.infer.sparse_gps import SGPConfig, fit_sgp, rounds_to_convergence
 
 HYP = {"lengthscale": 0.6, "variance": 1.3, "noise": 0.2}
 
@@ -22,15 +28,16 @@ def _data(N=24, seed=0):
 
 def test_dpo_closed_form_factor_recovers_exact_gp():
     X, y = _data()
-    cfg = SGPConfig(pseudo_fraction=1.0, fixed_hyper=HYP, fixed_inducing=X)
-    res = fit_sgp("dpo", Clients.from_list([(X, y)]), 0, cfg)
+    sgp = FederatedSGP("dpo", pseudo_fraction=1.0, fixed_hyper=HYP, fixed_inducing=X,
+                       local_steps=1)
+    res = sgp.run(jax.random.key(0), Clients.from_list([(X, y)]), 1, progress_bar=False)
     # the optimal DPO factor of a Gaussian likelihood: V = X, m = y, S = noise^2 I
     pseudo = res.state.pseudo._replace(V=jnp.asarray(X)[None], m=jnp.asarray(y)[None],
                                        s_raw=jnp.full((1, len(X)), 2 * np.log(HYP["noise"])))
-    res.state = res.state._replace(pseudo=pseudo)
     # K_ZZ at 24 close 1-D inputs is ill-conditioned: the default jitter (1e-6) shifts the model
     # by ~1e-3 when extrapolating; with a float64-sized jitter the sparse GP is the exact GP
-    res.spec = res.spec._replace(jitter=1e-11)
+    res = dataclasses.replace(res, state=res.state._replace(pseudo=pseudo),
+                              spec=res.spec._replace(jitter=1e-11))
     Xs = np.linspace(-2.5, 2.5, 17)[:, None]
     params = gp.init_params(1, HYP["lengthscale"], HYP["variance"], HYP["noise"])
     mean, var = gp.predict(params, X, y, Xs)
@@ -43,56 +50,186 @@ def test_dpo_closed_form_factor_recovers_exact_gp():
                   - 0.5 * (np.sin(2 * Xs[:, 0]) - mean) ** 2 / (var + 0.04))
     assert ll == pytest.approx(float(ref), rel=1e-4)
     mu, sd = res.inducing()
-    np.testing.assert_array_equal(mu, X) and np.testing.assert_array_equal(sd, 0.0)
+    np.testing.assert_array_equal(mu, X)
+    np.testing.assert_array_equal(sd, 0.0)
 
 
-def test_federated_dpo_beats_fixed_and_cpo():
+@pytest.fixture(scope="module")
+def problem():
     rng = np.random.default_rng(1)
     X = rng.uniform(-3, 3, (90, 1))
     y = np.sin(2 * X[:, 0]) + 0.1 * rng.normal(size=90)
     Xt = np.linspace(-3, 3, 40)[:, None]
-    yt = np.sin(2 * Xt[:, 0])
-    clients = partition.homogeneous(X, y, 3, seed=0)
-    cfg = SGPConfig(num_inducing=8, local_steps=100)
-    lls = {}
-    for method in ("dpo", "fixed", "cpo"):
-        res = fit_sgp(method, clients, 9, cfg)
-        lls[method] = res.log_likelihood(Xt, yt, num_samples=20)
-        assert np.all(np.isfinite(res.history["free_energy"]))
-        assert res.history["passes"][-1] == 3.0 and res.history["communications"][-1] == 9
+    return partition.homogeneous(X, y, 3, seed=0), Xt, np.sin(2 * Xt[:, 0])
+
+
+@pytest.fixture(scope="module")
+def runs(problem):
+    clients = problem[0]
+    fronts = {m: FederatedSGP(m, num_inducing=8, local_steps=100) for m in ("dpo", "fixed", "cpo")}
+    results = {m: f.run(jax.random.key(0), clients, 9, progress_bar=False)
+               for m, f in fronts.items()}
+    sync = FederatedSGP("dpo", SGPConfig(num_inducing=8, local_steps=100),
+                        schedule="synchronous", damping=0.3, optimizer=optax.adam(1e-2))
+    results["sync"] = sync.run(jax.random.key(0), clients, 2, progress_bar=False)
+    return fronts, results
+
+
+def test_federated_dpo_beats_fixed_and_cpo(problem, runs):
+    _, Xt, yt = problem
+    results = runs[1]
+    lls = {m: results[m].log_likelihood(Xt, yt, num_samples=20) for m in ("dpo", "fixed", "cpo")}
+    for m in lls:
+        assert np.all(np.isfinite(results[m].history["free_energy"]))
     assert lls["dpo"] > lls["fixed"] + 0.2 and lls["dpo"] > lls["cpo"] + 0.2, lls
     # synchronous (vmapped over clients, damped): runs, stays finite and improves
-    res = fit_sgp("dpo", clients, 2, cfg._replace(schedule="synchronous", damping=0.3))
-    fe = res.history["free_energy"]
+    fe = results["sync"].history["free_energy"]
     assert np.all(np.isfinite(fe)) and fe[-1] > fe[0]
-    assert res.history["communications"][-1] == 6 and len(res.history["seconds"]) == 2
 
 
-def test_bad_input():
-    X, y = _data(12)
-    clients = partition.homogeneous(X, y, 2)
-    with pytest.raises(ValueError, match="exceeds the total number"):
-        fit_sgp("dpo", clients, 1, SGPConfig(num_inducing=50))
-    with pytest.raises(ValueError, match="pseudo_fraction"):
-        fit_sgp("dpo", clients, 1, SGPConfig(num_inducing=4, pseudo_fraction=1.5))
-    with pytest.raises(ValueError, match="method"):
-        fit_sgp("pvi", clients, 1)
-    bad = [(X[:6], y[:6]), (X[6:], np.where(np.arange(6) == 2, np.nan, y[6:]))]
+def test_sequential_rounds_cycle_through_clients_and_history_has_the_common_keys(runs):
+    res = runs[1]["dpo"]
+    h = res.history
+    assert set(COMMON_HISTORY) | {"free_energy", "local_free_energy"} <= set(h)
+    assert h["round"].tolist() == list(range(1, 10))
+    assert h["communications"].tolist() == list(range(1, 10)) and h["passes"][-1] == 3.0
+    assert h["messages_up"].tolist() == [1] * 9 and np.all(h["bytes_up"] > 0)
+    took_part = np.isfinite(h["local_free_energy"])
+    np.testing.assert_array_equal(took_part, np.eye(3, dtype=bool)[np.arange(9) % 3])
+    sync = runs[1]["sync"].history
+    assert sync["communications"].tolist() == [3, 6] and sync["messages_up"].tolist() == [3, 3]
+    assert np.isfinite(sync["local_free_energy"]).all()
+
+
+def test_init_and_update_reproduce_run(problem, runs):
+    fronts, results = runs
+    state = fronts["fixed"].init(jax.random.key(0), problem[0])
+    for _ in range(2):
+        state, info = fronts["fixed"].update(state)
+    assert info["round"] == 2 and info["messages_up"] == 1
+    assert info["free_energy"] == pytest.approx(results["fixed"].history["free_energy"][1],
+                                                rel=1e-12)
+
+
+def test_summary_json_and_arviz(runs, tmp_path):
+    res = runs[1]["dpo"]
+    out = res.to_json(str(tmp_path / "dpo.json"))
+    assert json.loads((tmp_path / "dpo.json").read_text())["summary"] == out["summary"]
+    assert out["method"] == "SGP" and out["summary"]["rounds_to_convergence"] >= 1
+    assert out["summary"]["method"] == "dpo" and out["summary"]["rounds"] == 9
+    idata = res.to_arviz(jax.random.key(2), num_samples=50)
+    post = idata.posterior
+    assert set(post.data_vars) == {"lengthscale", "variance", "noise", "Z", "u"}
+    assert post["Z"].shape == (1, 50, 8, 1) and post["u"].shape == (1, 50, 8)
+    assert np.all(post["noise"].values > 0)
+    fixed = runs[1]["fixed"].to_arviz(num_samples=10)
+    assert "Z" in fixed.constant_data and "Z" not in fixed.posterior
+
+
+X12, Y12 = _data(12)
+TWO = partition.homogeneous(X12, Y12, 2, seed=0)
+BAD_SETTINGS = [
+    ({"method": "pvi"}, ValueError, "method"),
+    ({"num_inducing": 0}, ValueError, "num_inducing"),
+    ({"num_inducing": 2.5}, TypeError, "num_inducing"),
+    ({"pseudo_fraction": 1.5}, ValueError, "pseudo_fraction"),
+    ({"pseudo_fraction": 0.0}, ValueError, "pseudo_fraction"),
+    ({"max_pseudo": 0}, ValueError, "max_pseudo"),
+    ({"damping": 0.0}, ValueError, "damping"),
+    ({"damping": 1.5}, ValueError, "damping"),
+    ({"alpha": -0.1}, ValueError, "alpha"),
+    ({"alpha": float("nan")}, ValueError, "alpha"),
+    ({"local_steps": 0}, ValueError, "local_steps"),
+    ({"local_steps": "10"}, TypeError, "local_steps"),
+    ({"num_samples": 0}, ValueError, "num_samples"),
+    ({"inner_steps": -1}, ValueError, "inner_steps"),
+    ({"init_precision": 0.0}, ValueError, "init_precision"),
+    ({"optimizer": "adam"}, TypeError, "optimizer"),
+    ({"optimizer": 0.01}, TypeError, "optimizer"),
+    ({"schedule": "async"}, ValueError, "schedule"),
+    ({"covariance": "dense"}, ValueError, "covariance"),
+    ({"likelihood": "poisson"}, ValueError, "likelihood"),
+    ({"pseudo_init": "kmeans"}, ValueError, "pseudo_init"),
+    ({"learning_rate": 0.1}, TypeError, "unknown settings.*learning_rate"),
+    ({"fixed_hyper": {"lengthscale": 1.0, "variance": 1.0}}, ValueError, "fixed_hyper"),
+    ({"fixed_hyper": {**HYP, "lengthscale": -1.0}}, ValueError, "fixed_hyper"),
+    ({"fixed_inducing": np.array([[0.0], [np.nan]])}, ValueError, "fixed_inducing"),
+    ({"fixed_inducing": np.zeros(3)}, ValueError, "fixed_inducing"),
+    ({"config": {"num_inducing": 3}}, TypeError, "SGPConfig"),
+]
+
+
+@pytest.mark.parametrize("settings, error, match", BAD_SETTINGS,
+                         ids=[next(iter(s)) + "-" + str(i) for i, (s, _, _) in
+                              enumerate(BAD_SETTINGS)])
+def test_bad_settings_raise_before_anything_runs(settings, error, match):
+    settings = dict(settings)
+    method = settings.pop("method", "dpo")
+    with pytest.raises(error, match=match):
+        FederatedSGP(method, **settings)
+
+
+def _clients(X, y):
+    return Clients.from_list([(X[:6], y[:6]), (X[6:], y[6:])])
+
+
+BAD_RUNS = [
+    ({"num_rounds": -2}, ValueError, "num_rounds"),
+    ({"num_rounds": 0}, ValueError, "num_rounds"),
+    ({"num_rounds": 2.5}, TypeError, "num_rounds"),
+    ({"num_rounds": "3"}, TypeError, "num_rounds"),
+    ({"rng_key": None}, TypeError, "rng_key"),
+    ({"rng_key": 0}, TypeError, "rng_key"),
+    ({"clients": (X12, Y12)}, TypeError, "clients must be a fedppl.Clients"),
+    ({"settings": {"num_inducing": 50}}, ValueError, "exceeds the total number"),
+    ({"settings": {"fixed_inducing": np.arange(13.0)[:, None]}}, ValueError, "exceeds the total"),
+    ({"settings": {"fixed_inducing": np.arange(6.0).reshape(3, 2)}}, ValueError, r"shape \(M, 1\)"),
+    ({"settings": {"fixed_hyper": {**HYP, "lengthscale": [1.0, 2.0]}}}, ValueError,
+     "lengthscale"),
+    ({"settings": {"likelihood": "bernoulli"}}, ValueError, "client 0.*Bernoulli"),
+    ({"clients": _clients(X12, np.where(np.arange(12) < 6, 0.0, 2.0))}, ValueError,
+     "client 1.*Bernoulli.*2.0", {"likelihood": "bernoulli"}),
+    ({"clients": _clients(X12[:, 0], Y12)}, ValueError, r"client 0.*shape \(N, D\)"),
+    ({"clients": _clients(X12, Y12[:, None])}, ValueError, r"client 0.*y of shape \(N,\)"),
+    ({"clients": _clients(X12, np.array(["a"] * 12))}, TypeError, "must hold numbers"),
+    ({"clients": Clients.from_list([(X12, Y12, Y12)])}, ValueError, "got 3 arrays"),
+    ({"clients": _clients(np.zeros((12, 0)), Y12)}, ValueError, "no features"),
+]
+
+
+@pytest.mark.parametrize("case", BAD_RUNS, ids=[str(i) for i in range(len(BAD_RUNS))])
+def test_bad_runs_raise_before_anything_runs(case):
+    args, error, match = case[:3]
+    settings = {"num_inducing": 4, **(case[3] if len(case) > 3 else {}),
+                **args.get("settings", {})}
+    front = FederatedSGP("dpo", **settings)
+    with pytest.raises(error, match=match):
+        front.run(args.get("rng_key", jax.random.key(0)), args.get("clients", TWO),
+                  args.get("num_rounds", 1), progress_bar=False)
+
+
+def test_nan_data_is_refused_naming_the_client():
+    bad = [(X12[:6], Y12[:6]), (X12[6:], np.where(np.arange(6) == 2, np.nan, Y12[6:]))]
     with pytest.raises(ValueError, match="client 1"):
-        fit_sgp("dpo", Clients.from_list(bad), 1, SGPConfig(num_inducing=4))
-    with pytest.raises(ValueError, match="client 0.*Bernoulli"):
-        fit_sgp("dpo", clients, 1, SGPConfig(num_inducing=4, likelihood="bernoulli"))
-    # duplicate inducing inputs: a warning, and the jitter keeps everything finite
-    Z = np.concatenate([X[:3], X[:3]])
+        Clients.from_list(bad)
+
+
+def test_duplicate_inducing_inputs_warn():
+    Z = np.concatenate([X12[:3], X12[:3]])
     with pytest.warns(UserWarning, match="duplicate"):
-        res = fit_sgp("fixed", clients, 1, SGPConfig(fixed_inducing=Z, local_steps=5,
-                                                      fixed_hyper=HYP))
-    assert np.all(np.isfinite(np.asarray(res.predict(X, num_samples=2)[1])))
+        FederatedSGP("fixed", fixed_inducing=Z, fixed_hyper=HYP)
 
 
-def test_rounds_to_convergence():
-    hist = {"round": [1, 2, 3, 4, 5], "free_energy": [-10.0, -3.0, -1.2, -0.9, -1.0]}
-    assert rounds_to_convergence(hist, 0.5) == 3
-    assert rounds_to_convergence(hist, 0.15) == 4
-    assert rounds_to_convergence(hist, 0.05) == 5
-    assert rounds_to_convergence(hist, 100.0) == 1
+def test_result_checks_test_inputs(runs):
+    res = runs[1]["dpo"]
+    with pytest.raises(ValueError, match=r"X must have shape \(n, 1\)"):
+        res.predict(np.zeros((3, 2)))
+    with pytest.raises(ValueError, match="X contains NaN"):
+        res.predict(np.array([[np.nan]]))
+    with pytest.raises(ValueError, match=r"y must have shape \(2,\)"):
+        res.log_likelihood(np.zeros((2, 1)), np.zeros(3))
+    with pytest.raises(ValueError, match="y_std"):
+        res.rmse(np.zeros((2, 1)), np.zeros(2), y_std=-1.0)
+    with pytest.raises(ValueError, match="Gaussian likelihood"):
+        dataclasses.replace(res, spec=res.spec._replace(likelihood="bernoulli")).log_likelihood(
+            np.zeros((2, 1)), np.zeros(2))

@@ -3,9 +3,9 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 import numpy as np
+import optax
 import pytest
 from numpyro.infer import SVI, Trace_ELBO
-import optax
 
 from fedppl.models import gp
 from fedppl.models.cotraining import cotraining_gp, cotraining_kernel

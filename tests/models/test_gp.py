@@ -35,3 +35,13 @@ def test_type_two_ml_improves_the_evidence_and_finds_the_noise(data):
     p = gp.fit(X, y, steps=400)
     assert float(gp.neg_log_marginal(p, X, y)) < float(gp.neg_log_marginal(start, X, y))
     assert 0.05 < float(np.exp(p.log_noise)) < 0.2
+
+
+def test_fit_takes_any_optax_optimiser_and_refuses_a_string(data):
+    import optax
+
+    X, y = data
+    p = gp.fit(X, y, steps=50, optimizer=optax.sgd(1e-3))
+    assert float(gp.neg_log_marginal(p, X, y)) < float(gp.neg_log_marginal(gp.init_params(1), X, y))
+    with pytest.raises(TypeError, match="optimizer"):
+        gp.fit(X, y, steps=5, optimizer="adam")

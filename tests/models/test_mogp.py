@@ -18,7 +18,7 @@ def _problem(kinds, n=25, m=8, seed=0, kernel="rbf", hidden=()):
     rng = np.random.default_rng(seed)
     Xs = [rng.uniform(0, 10, (n, 2)) for _ in kinds]
     ys = [np.sin(x[:, 0]) + 0.3 * rng.normal(size=n) if k == "regression"
-          else (rng.uniform(size=n) < 0.5).astype(float) for x, k in zip(Xs, kinds)]
+          else (rng.uniform(size=n) < 0.5).astype(float) for x, k in zip(Xs, kinds, strict=True)]
     hyper = mogp.init_hyper(spec, 2, jax.random.PRNGKey(seed), hidden=hidden, phi0=[1.0, 2.0],
                             phi1=[0.5, 0.2], W=W[: len(kinds)], noise=0.2)
     hyper = hyper._replace(log_noise=jnp.log(jnp.linspace(0.1, 0.3, len(kinds))))
@@ -31,7 +31,9 @@ def _dense_lmc(spec, hyper, Z, data):
     phi0, phi1 = np.exp(hyper.log_phi0), np.exp(hyper.log_phi1)
     X, t, Wn = np.asarray(data.X), np.asarray(data.task), np.asarray(hyper.W)
     Z = np.asarray(Z)
-    rbf = lambda A, B, a, b: a * np.exp(-0.5 * b * ((A[:, None] - B[None]) ** 2).sum(-1))
+    def rbf(A, B, a, b):
+        return a * np.exp(-0.5 * b * ((A[:, None] - B[None]) ** 2).sum(-1))
+
     M, B = len(Z), spec.num_latent
     Kuu = np.zeros((B * M, B * M))
     Kuf = np.zeros((B * M, len(X)))
@@ -84,7 +86,9 @@ def test_closed_form_noise_maximises_elbo():
     sums, counts = mogp.noise_stats(spec, hyper, Z, data, q)
     assert np.all(np.asarray(counts) == [25, 0])
     best = jnp.where(counts > 0, jnp.log(sums / jnp.maximum(counts, 1)), hyper.log_noise)
-    f = lambda ln: mogp.elbo(spec, hyper._replace(log_noise=ln), Z, data, q, c)
+    def f(ln):
+        return mogp.elbo(spec, hyper._replace(log_noise=ln), Z, data, q, c)
+
     g = jax.grad(f)(best)
     assert np.max(np.abs(np.asarray(g))) < 1e-8
     for delta in (-0.05, 0.05):
@@ -112,7 +116,7 @@ def test_numpyro_model_log_density_matches_manual():
     lp, _ = log_density(mogp.mogp_model, (data.X, data.task, spec, hyper, Z),
                         {"y": data.y}, params)
     from scipy.stats import multivariate_normal, norm
-    K, _ = mogp._kzz_chol(spec, hyper, mogp.mlp_apply(hyper.net, Z))
+    K, _ = mogp._kzz_chol(spec, hyper, hyper.net(Z))
     ref = sum(multivariate_normal(np.zeros(4), np.asarray(K[b])).logpdf(us[b]) for b in range(2))
     ref += norm(np.asarray(Phi @ jnp.concatenate(us)), np.sqrt(np.asarray(cond) + 1e-12)
                 ).logpdf(np.asarray(f)).sum()
@@ -140,7 +144,11 @@ def test_missing_task_contributes_nothing():
     only_reg = mogp.client_data([np.asarray(data.X[:25]), None], [np.asarray(data.y[:25]), None],
                                 spec, client=0)
     assert np.all(np.asarray(only_reg.task) == 0)
-    padded = mogp.pad(only_reg, 40)
+    # padded as fedppl.Clients pads a client: zero rows, masked out
+    padded = mogp.multitask_clients([([np.asarray(data.X[:25]), None],
+                                      [np.asarray(data.y[:25]), None])], spec)
+    X, y, t = (jnp.pad(a[0], [(0, 15)] + [(0, 0)] * (a.ndim - 2)) for a in padded.stacked)
+    padded = mogp.Data(X, y, t, jnp.arange(40) < 25)
     q = mogp.cavi_qu(spec, hyper, Z, only_reg, jnp.ones(25))
     qp = mogp.cavi_qu(spec, hyper, Z, padded, jnp.ones(40))
     np.testing.assert_allclose(q.mean, qp.mean, atol=1e-10)

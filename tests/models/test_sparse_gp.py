@@ -2,19 +2,21 @@
 
 from __future__ import annotations
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 import numpyro
 import pytest
 
+from fedppl.models import gp
 from fedppl.models import sparse_gp as sgp
-from fedppl.models.kernels import se
+from fedppl.models.kernels import SEParams, se
 
 
 def _setup(seed=0, M=6, N=15):
     rng = np.random.default_rng(seed)
     Z, X = rng.normal(size=(M, 2)), rng.normal(size=(N, 2))
-    hyper = sgp.Hyper(jnp.array([0.8, 1.3]), jnp.asarray(1.7), jnp.asarray(0.3))
+    hyper = SEParams(jnp.log(jnp.array([0.8, 1.3])), jnp.log(1.7), jnp.log(0.3))
     return rng, Z, X, hyper
 
 
@@ -61,15 +63,44 @@ def test_predict_f_and_kl_match_dense_formulas():
     assert float(sgp.kl_whitened(q, q)) == pytest.approx(0.0, abs=1e-9)
 
 
-def test_titsias_elbo_matches_dense_formula():
+def test_collapsed_bound_matches_dense_formula():
     rng, Z, X, hyper = _setup(2)
     y = rng.normal(size=len(X))
     Kxz = np.asarray(se(X, Z, hyper.lengthscale, hyper.variance))
-    Q = Kxz @ np.linalg.solve(np.asarray(sgp.kzz(Z, hyper)), Kxz.T)
-    C = Q + hyper.noise**2 * np.eye(len(X))
-    logn = -0.5 * (len(X) * np.log(2 * np.pi) + np.linalg.slogdet(C)[1] + y @ np.linalg.solve(C, y))
-    ref = logn - (len(X) * hyper.variance - np.trace(Q)) / (2 * hyper.noise**2)
-    np.testing.assert_allclose(sgp.titsias_elbo(X, y, Z, hyper), ref, rtol=1e-9)
+    for relative in (True, False):
+        Q = Kxz @ np.linalg.solve(np.asarray(sgp.kzz(Z, hyper, relative=relative)), Kxz.T)
+        C = Q + hyper.noise**2 * np.eye(len(X))
+        logn = -0.5 * (len(X) * np.log(2 * np.pi) + np.linalg.slogdet(C)[1]
+                       + y @ np.linalg.solve(C, y))
+        ref = logn - (len(X) * hyper.variance - np.trace(Q)) / (2 * hyper.noise**2)
+        got = sgp.collapsed_bound(X, y, Z, hyper, relative=relative)
+        np.testing.assert_allclose(got, ref, rtol=1e-9)
+
+
+def test_collapsed_bound_is_the_exact_marginal_at_z_equal_x_and_below_it_otherwise():
+    rng = np.random.default_rng(0)
+    X = rng.uniform(-3, 3, (15, 1))
+    y = np.sin(X[:, 0]) + 0.2 * rng.normal(size=15)
+    hyper = SEParams(jnp.zeros(1), jnp.log(1.5), jnp.log(0.3))
+    exact = -float(gp.neg_log_marginal(hyper, X, y))
+    full = float(sgp.collapsed_bound(X, y, X, hyper, jitter=1e-10, relative=False))
+    assert abs(full - exact) < 1e-6
+    sub = float(sgp.collapsed_bound(X, y, X[::3], hyper, jitter=1e-10, relative=False))
+    assert sub < exact - 1e-3  # a strict gap: 5 points cannot represent the function
+
+
+def test_collapsed_bound_ignores_masked_rows_even_nan_ones():
+    rng, Z, X, hyper = _setup(3)
+    y = rng.normal(size=len(X))
+    alone = float(sgp.collapsed_bound(X[:9], y[:9], Z, hyper))
+    mask = np.arange(len(X)) < 9
+    for fill in (np.nan, 1e3):
+        Xp, yp = X.copy(), y.copy()
+        Xp[9:], yp[9:] = fill, fill
+        padded = sgp.collapsed_bound(Xp, yp, Z, hyper, mask)
+        np.testing.assert_allclose(padded, alone, rtol=1e-10)
+        grad = jax.grad(sgp.collapsed_bound, argnums=3)(Xp, yp, Z, hyper, mask)
+        assert all(np.isfinite(g).all() for g in grad)
 
 
 def test_expected_log_lik():
@@ -81,7 +112,7 @@ def test_expected_log_lik():
     lab = jnp.array([1.0, 0.0, 1.0, 0.0])
     f = np.linspace(-30, 30, 200001)
     dense = 0.0
-    for yi, mi, vi in zip(lab, mean, var):
+    for yi, mi, vi in zip(lab, mean, var, strict=True):
         w = np.exp(-0.5 * (f - mi) ** 2 / vi) / np.sqrt(2 * np.pi * vi)
         dense += np.trapezoid(w * (yi * f - np.logaddexp(0, f)), f)
     np.testing.assert_allclose(sgp.expected_log_lik("bernoulli", lab, mean, var, 1.0), dense,
