@@ -1,32 +1,39 @@
 """The co-training study of thesis Ch. 4: a factorial grid of runs and its stratified tables.
 
-Each run co-trains two parties for ``rounds`` rounds on simulated two-view data
-(:func:`fedppl_experiments.cotraining_data.simulate_two_views`) or on CCPP split into two views
-(:func:`~fedppl_experiments.cotraining_data.ccpp_two_views`) and records both parties' test RMSE
-before and after. Tables 4.3-4.15 of the thesis are means and standard deviations of those RMSEs
-stratified by some of the factors (combination, uncertainty integration, masking, n_obs, DP,
-r, conditional independence); :func:`stratified_table` makes any of them.
+Each run co-trains two parties (:class:`fedppl.CoTraining`) for ``rounds`` rounds on simulated
+two-view data (:func:`fedppl_experiments.cotraining_data.simulate_two_views`) or on CCPP split
+into two views (:func:`~fedppl_experiments.cotraining_data.ccpp_two_views`) and records both
+parties' test RMSE before and after. A configuration's ``seed`` draws the data and, as
+``jax.random.key(seed)``, the run's DP noise. Tables 4.3-4.15 of the thesis are means and
+standard deviations of those RMSEs stratified by some of the factors (combination, uncertainty
+integration, masking, n_obs, DP, r, conditional independence); :func:`stratified_table` makes
+any of them.
 
 Example::
 
-    >>> rows = [run_one(Config("noisy", "full", masked=True, r=0.9, n_obs=25, seed=s))
-    ...         for s in range(3)]
-    >>> print(stratified_table(rows, by=["masked"]))
+    >>> rows = [run_one(Config("noisy", u, masked=True, r=0.9, n_obs=8, seed=0), rounds=2,
+    ...                 fit_steps=20) for u in ("none", "full")]
+    >>> print(stratified_table(rows, by=["masked"], columns="uncertainty").splitlines()[0])
+    | masked | none | full |
 """
 
 from __future__ import annotations
 
 import itertools
 import time
-from typing import Iterable, NamedTuple, Sequence
+from collections.abc import Iterable, Sequence
+from typing import NamedTuple
 
+import jax
 import numpy as np
 
 from fedppl.algorithms import cotraining as ct
-from fedppl.infer.co_training import PartyData, run
+from fedppl.clients import Clients
+from fedppl.infer.co_training import CoTraining, CoTrainingResult
 from fedppl_experiments import cotraining_data as data
 
-__all__ = ["Config", "DEFAULT_DP", "parties_of", "run_one", "grid", "stratified_table"]
+__all__ = ["Config", "DEFAULT_DP", "Parties", "parties_of", "run_config", "run_one", "grid",
+           "stratified_table"]
 
 # the thesis's setting (Sec. 4.4): epsilon = 1, delta = 0.00625; one label moves by at most d = 1
 # (standardised targets); the exact RKHS sensitivity, since fitted kernel variances exceed 1
@@ -45,11 +52,23 @@ class Config(NamedTuple):
     dataset: str = "simulated"  # or a path to the UCI power-plant folder
 
 
-def parties_of(problem: data.TwoViewData) -> tuple[list[PartyData], np.ndarray]:
-    """The per-party arrays of a two-view problem, and the test targets."""
-    parties = [PartyData(problem.X[v], problem.y[v], problem.pool[v], problem.X_test[v])
-               for v in range(problem.n_views)]
-    return parties, np.asarray(problem.y_test)
+class Parties(NamedTuple):
+    """A co-training problem as :meth:`fedppl.CoTraining.run` takes it: the parties' private
+    ``(X, y)`` as clients, and per party its pool view and test inputs, with the test targets."""
+
+    clients: Clients
+    pool: tuple[np.ndarray, ...]
+    test: tuple[np.ndarray, ...]
+    y_test: np.ndarray
+
+
+def parties_of(problem: data.TwoViewData) -> Parties:
+    """The co-training inputs of a two-view problem (party ``v`` is named ``party v``)."""
+    V = problem.n_views
+    clients = Clients.from_list([problem.party(v) for v in range(V)],
+                                names=[f"party {v}" for v in range(V)])
+    return Parties(clients, tuple(problem.pool), tuple(problem.X_test),
+                   np.asarray(problem.y_test))
 
 
 def _problem(cfg: Config) -> data.TwoViewData:
@@ -59,13 +78,21 @@ def _problem(cfg: Config) -> data.TwoViewData:
     return data.ccpp_two_views(cfg.dataset, cfg.n_obs, cfg.masked, seed=cfg.seed)
 
 
+def run_config(cfg: Config, rounds: int = 25, dp: ct.DPSettings = DEFAULT_DP,
+               fit_steps: int = 300) -> CoTrainingResult:
+    """One co-training run of a configuration (DP settings ``dp`` where ``cfg.dp``)."""
+    p = parties_of(_problem(cfg))
+    method = CoTraining(cfg.combination, cfg.uncertainty, dp if cfg.dp else None,
+                        fit_steps=fit_steps)
+    return method.run(jax.random.key(cfg.seed), p.clients, rounds, pool=p.pool, test=p.test,
+                      y_test=p.y_test, progress_bar=False)
+
+
 def run_one(cfg: Config, rounds: int = 25, dp: ct.DPSettings = DEFAULT_DP,
             fit_steps: int = 300) -> dict:
     """One co-training run; a flat dict of the configuration and the results."""
-    parties, y_test = parties_of(_problem(cfg))
-    settings = ct.Settings(cfg.combination, cfg.uncertainty, dp if cfg.dp else None)
     t0 = time.perf_counter()
-    out = run(parties, y_test, settings, rounds=rounds, seed=cfg.seed, fit_steps=fit_steps)
+    out = run_config(cfg, rounds, dp, fit_steps)
     row = cfg._asdict()
     row.update(rmse_before=out.rmse_before, rmse_after=out.rmse_after,
                rmse=float(np.mean(out.rmse_after)), epsilon=out.epsilon,

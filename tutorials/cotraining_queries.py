@@ -17,8 +17,7 @@ matplotlib.use("Agg")
 import matplotlib.pyplot as plt
 import numpy as np
 
-from fedppl.algorithms import cotraining as ct
-from fedppl.infer.co_training import run
+import fedppl
 from fedppl_experiments import cotraining_data as data
 from fedppl_experiments.cotraining_study import parties_of
 
@@ -26,27 +25,34 @@ jax.config.update("jax_enable_x64", True)
 
 # %%
 problem = data.simulate_two_views(r=0.9, cond_indep=True, masked=True, n_obs=25, seed=0)
-parties, y_test = parties_of(problem)
-settings = ct.Settings("noisy", "full")
-out = run(parties, y_test, settings, rounds=8, seed=0, fit_steps=150)
+p = parties_of(problem)
+method = fedppl.CoTraining("noisy", "full", fit_steps=150)
+out = method.run(jax.random.key(0), p.clients, 8, pool=p.pool, test=p.test, y_test=p.y_test,
+                 progress_bar=False)
 print("test RMSE before:", np.round(out.rmse_before, 3), "after:", np.round(out.rmse_after, 3))
 print("oracle (masked, individual):", round(data.oracle_unexplained_sd(0.9, True, True, False), 3))
+
+# %% [markdown]
+# Every message is kept, in protocol order: each round, each party's `Query`, then the other's
+# `Response` to it.
+
+# %%
+out.messages[:2]
 
 # %%
 fig, axes = plt.subplots(1, 2, figsize=(11, 4), sharey=True)
 grid = np.linspace(-3, 3, 200)[:, None]
 for v, ax in enumerate(axes):
-    state = out.states[v]
-    before = ct.init_party(v, parties[v].X, parties[v].y, parties[v].pool, 150)
-    for s, label, style in [(before, "before", "--"), (state, "after 8 rounds", "-")]:
-        mean, var = ct.predict(s, grid, settings)
-        mean, sd = np.asarray(mean), np.sqrt(np.asarray(var))
+    for alone, label, style in [(True, "before", "--"), (False, "after 8 rounds", "-")]:
+        mean, var = out.predict(v, grid, alone=alone)
         ax.plot(grid[:, 0], mean, style, label=f"mean {label}")
-        if s is state:
+        if not alone:
+            sd = np.sqrt(var)
             ax.fill_between(grid[:, 0], mean - 2 * sd, mean + 2 * sd, alpha=0.2)
-    ax.plot(parties[v].X[:, 0], parties[v].y, "kx", label="private labelled")
-    got = state.received[1 - v]
-    ax.plot(parties[v].pool[got.pool_index, 0], got.mean, "r+", ms=10, mew=2,
+    X, y = p.clients.client(v)
+    ax.plot(X[:, 0], y, "kx", label="private labelled")
+    state = out.parties[v]  # what the other party answered, in order
+    ax.plot(p.pool[v][state.got_index[1 - v], 0], state.got_mean[1 - v], "r+", ms=10, mew=2,
             label="queried (other party's answer)")
     ax.set(title=f"party {v + 1} (view {v + 1})", xlabel=f"x{v + 1}")
 axes[0].set_ylabel("y")

@@ -1,14 +1,14 @@
-"""Private co-training of GPs by exchanging predictions (thesis Ch. 4), as explicit messages.
+"""Private co-training of GPs by exchanging predictions (thesis Ch. 4), as a trio of host functions.
 
 Each party holds private labelled data in its own view and its view of a shared unlabelled pool
-(the same rows for every party). In turn, a party picks the unqueried pool point where its own
-predictive variance is largest (uncertainty sampling), sends a :class:`Query` with that index to
-every other party, and each replies with a :class:`Response`: its predictive mean (released with
-differential privacy when asked), and by choice nothing, the marginal variance, or the covariance
-with the points it answered before (``uncertainty`` = ``"none"``/``"marginal"``/``"full"``),
-plus its prior kernel on the queried points for the combinations that need it. The querying party
-folds the answers into its model by one of three combinations (from party 1's side, with
-``V`` the reported uncertainty):
+(the same rows for every party). In every round each party picks the unqueried pool point where
+its own predictive variance is largest (uncertainty sampling) and sends a :class:`Query` with
+that index; every other party answers with a :class:`Response`: its predictive mean (released
+with differential privacy when asked), and by choice nothing, the marginal variance, or the
+covariance with the points it answered that querier before (``uncertainty`` =
+``"none"``/``"marginal"``/``"full"``), plus its prior kernel on the queried points for the
+combinations that need it. The querying party folds the answers into its model by one of three
+combinations (from party 1's side, with ``V`` the reported uncertainty):
 
 * ``"blocky"`` (Eq. 4.6): covariance ``blockdiag(K_1(tr, tr) + s_1^2 I, K_2(q, q) + V)``,
   predicting with ``k_1`` (inconsistent across blocks; a baseline);
@@ -21,39 +21,68 @@ folds the answers into its model by one of three combinations (from party 1's si
   answers as ordinary noisy observations, whatever ``V`` and ``K_2`` are (they would matter only
   to a refit of the hyperparameters).
 
+The protocol as a :class:`~fedppl.algorithms.trio.Trio` (:func:`make_trio`): the server is a
+relay, and one co-training round is two exchanges, since an answer can only be asked for once
+the question has reached the server. In the *ask* exchange every party's ``client_update``
+returns its :class:`Query`, and the server keeps them (:class:`Relay`). In the *answer* exchange
+the relay broadcasts them, every party's ``client_update`` returns :class:`Answers` (its
+:class:`Response` to each other party), ``server_update`` routes each response to its querier,
+and ``acknowledge`` folds them into the querier's state. The functions are host-side NumPy
+(``Trio(jit=False)``, the embedded runtime's ``"loop"`` schedule).
+
 Decisions where the thesis is silent: hyperparameters are fitted once by type-II ML on each
 party's private data and kept; a responder answers from its private-data model (so no answer
-echoes the querier's own information back); one round is one query by every party in turn; the
-reported variance includes the DP noise's variance (the mechanism is public, so this costs no
-privacy) unless ``inflate_variance=False``.
+echoes the querier's own information back); one round is one query by every party; the reported
+variance includes the DP noise's variance (the mechanism is public, so this costs no privacy)
+unless ``inflate_variance=False``. A party draws the DP noise of each release from its own key
+(see :func:`answer`); every release is recorded by its noise multiplier and composed by
+:class:`fedppl.privacy.PrivacyAccountant` (:func:`epsilon_spent`).
 
-Example::
+Example (two parties, one round by hand; :class:`fedppl.infer.CoTraining` runs it)::
 
-    >>> parties = [init_party(v, X_lab[v], y_lab[v], pool[v]) for v in range(2)]
-    >>> q = make_query(parties[0])
-    >>> r = respond(parties[1], q, settings, rng)
-    >>> parties[0] = receive(parties[0], r, settings)
+    >>> import jax, numpy as np, optax
+    >>> rng = np.random.default_rng(0)
+    >>> X = [rng.normal(size=(12, 1)) for _ in range(2)]
+    >>> y = [np.sin(x[:, 0]) for x in X]
+    >>> pool = [rng.normal(size=(6, 1)) for _ in range(2)]
+    >>> settings = Settings("noisy", "full")
+    >>> a, b = (init_party(v, 2, X[v], y[v], pool[v], optax.adam(0.05), steps=20)
+    ...         for v in range(2))
+    >>> q = make_query(a, X[0], y[0], settings)
+    >>> answers, b = answer(b, X[1], y[1], [q], settings, jax.random.key(0))
+    >>> a = receive(a, answers.responses, settings)
+    >>> a.got_index.shape, int(a.got_index[1, 0]) == q.pool_index
+    ((2, 1), True)
 """
 
 from __future__ import annotations
 
-from typing import NamedTuple
+from collections.abc import Sequence
+from functools import lru_cache, partial
+from typing import Any, NamedTuple
 
+import jax
 import jax.numpy as jnp
 import jax.scipy.linalg as jsl
 import numpy as np
+import optax
 from jax import Array
 
-from fedppl import privacy
+from fedppl import privacy, validation
+from fedppl.algorithms.optimise import minimise
+from fedppl.algorithms.trio import Trio
 from fedppl.models import gp
 from fedppl.models.cotraining import cotraining_kernel
 
-__all__ = ["COMBINATIONS", "UNCERTAINTIES", "DPSettings", "Settings", "Query", "Response",
-           "Received", "PartyState", "init_party", "make_query", "respond", "receive",
-           "predict"]
+__all__ = ["COMBINATIONS", "UNCERTAINTIES", "SENSITIVITIES", "DPSettings", "Settings", "Query",
+           "Response", "Answers", "Relay", "PartyState", "check_settings", "fit_hyperparameters",
+           "init_party", "make_query", "respond", "answer", "receive", "predict",
+           "epsilon_spent", "make_trio", "unstack"]
 
+Data = Array | np.ndarray  # inputs and labels: JAX or NumPy arrays
 COMBINATIONS = ("blocky", "noisy", "hybrid")
 UNCERTAINTIES = ("none", "marginal", "full")
+SENSITIVITIES = ("smith", "rkhs")
 JITTER = 1e-6
 
 
@@ -77,6 +106,8 @@ class Settings(NamedTuple):
     dp: DPSettings | None = None
 
 
+# -- messages and states -----------------------------------------------------------------------
+
 class Query(NamedTuple):
     """Sent by ``sender``: "what do you predict at pool point ``pool_index``?"."""
 
@@ -85,7 +116,7 @@ class Query(NamedTuple):
 
 
 class Response(NamedTuple):
-    """Sent by ``sender`` in answer to a query; everything a responder ever releases.
+    """Sent by ``sender`` to ``querier`` in answer to its query; everything a responder releases.
 
     ``cov_row``: covariance of this prediction with the responder's earlier answers to the same
     querier, in answer order, ending with the variance (None for ``"none"``; length 1 for
@@ -95,152 +126,121 @@ class Response(NamedTuple):
     """
 
     sender: int
+    querier: int
     pool_index: int
     mean: float
-    cov_row: Array | None
-    prior_row: Array | None
+    cov_row: np.ndarray | None
+    prior_row: np.ndarray | None
     dp_noise_std: float
 
 
-class Received(NamedTuple):
-    """What a party has been told by one responder: pool indices, means, V and the prior block."""
+class Answers(NamedTuple):
+    """A party's message in the answer exchange (its responses, in querier order), and the
+    relay's reply to a querier (the responses addressed to it, in responder order)."""
 
-    pool_index: np.ndarray
-    mean: np.ndarray
-    V: np.ndarray
-    prior: np.ndarray
+    responses: tuple[Response, ...]
+
+
+class Relay(NamedTuple):
+    """The server's state: the round's queries (stacked over parties) while it relays them;
+    ``None`` when the next exchange collects queries."""
+
+    queries: Query | None = None
 
 
 class PartyState(NamedTuple):
-    party: int
-    X: Array  # private labelled inputs in this party's view
-    y: Array
-    pool: Array  # this party's view of the shared pool
-    params: gp.GPParams
-    received: dict  # responder -> Received
-    answered: dict  # querier -> list of pool indices answered (in order)
-    accountant: privacy.PrivacyAccountant | None
+    """One party's state, host NumPy arrays; every field has the same shape for every party,
+    so the runtime stacks them on the client axis. Rows indexed by another party ``b`` hold
+    what passed between the two (this party's own row is unused: ``-1`` indices, zeros)."""
+
+    party: np.ndarray  # () int: this party's index
+    params: gp.GPParams  # hyperparameters fitted on its private data (type-II ML), then kept
+    pool: np.ndarray  # (n_pool, D): its view of the shared pool
+    got_index: np.ndarray  # (K, m) int: pool points party b answered for it, in order
+    got_mean: np.ndarray  # (K, m): the released means
+    got_cov: np.ndarray  # (K, m, m): V, the covariance b reported (zeros where none was)
+    got_prior: np.ndarray  # (K, m, m): b's prior kernel on those points (zeros for "noisy")
+    gave: np.ndarray  # (K, m) int: pool points it answered for party b, in order
+    dp_multipliers: np.ndarray  # (releases,): the noise multiplier of each DP release made
 
 
-def init_party(party: int, X: Array, y: Array, pool: Array, fit_steps: int = 300,
-               dp: DPSettings | None = None) -> PartyState:
-    """Fit the party's GP on its private data (type-II ML) and start with no exchanges."""
-    X, y, pool = (jnp.asarray(a, dtype=float) for a in (X, y, pool))
-    if X.shape[0] != y.shape[0] or X.shape[0] == 0:
-        raise ValueError(f"party {party}: {X.shape[0]} inputs and {y.shape[0]} labels")
-    if pool.ndim != 2 or pool.shape[1] != X.shape[1]:
-        raise ValueError(f"party {party}: its pool view has shape {pool.shape}, its inputs "
-                         f"{X.shape[1]} columns")
-    params = gp.fit(X, y, steps=fit_steps)
-    accountant = privacy.PrivacyAccountant() if dp is not None else None
-    return PartyState(party, X, y, pool, params, {}, {}, accountant)
+def check_settings(settings: Settings) -> Settings:
+    """The settings, or a clear error naming the bad field."""
+    if not isinstance(settings, Settings):
+        raise TypeError(f"settings must be a cotraining.Settings, got {type(settings).__name__}")
+    validation.one_of(settings.combination, COMBINATIONS, "combination")
+    validation.one_of(settings.uncertainty, UNCERTAINTIES, "uncertainty")
+    dp = settings.dp
+    if dp is None:
+        return settings
+    if not isinstance(dp, DPSettings):
+        raise TypeError(f"dp must be a cotraining.DPSettings or None, got {type(dp).__name__}")
+    validation.positive(dp.epsilon, "dp.epsilon")
+    validation.positive(dp.d, "dp.d")
+    if validation.positive(dp.delta, "dp.delta") >= 1:
+        raise ValueError(f"dp.delta must lie in (0, 1), got {dp.delta!r}")
+    validation.one_of(dp.rule, privacy.RULES, "dp.rule")
+    validation.one_of(dp.sensitivity, SENSITIVITIES, "dp.sensitivity")
+    if not isinstance(dp.inflate_variance, (bool, np.bool_)):
+        raise TypeError(f"dp.inflate_variance must be True or False, got "
+                        f"{dp.inflate_variance!r}")
+    return settings
 
 
-def _queried(state: PartyState) -> np.ndarray:
-    parts = [r.pool_index for r in state.received.values()]
-    return np.unique(np.concatenate(parts)) if parts else np.zeros(0, int)
+# -- a party's own model -----------------------------------------------------------------------
+
+def fit_hyperparameters(X: Data, y: Data, optimizer: optax.GradientTransformation,
+                        steps: int) -> gp.GPParams:
+    """Type-II maximum likelihood of the SE-ARD hyperparameters: ``steps`` full-batch steps of
+    ``optimizer`` on ``-log p(y | X)`` from :func:`fedppl.models.gp.init_params`."""
+    X, y = jnp.asarray(X, dtype=float), jnp.asarray(y, dtype=float)
+    return _fit(gp.init_params(X.shape[1]), X, y, optimizer, steps)
 
 
-def make_query(state: PartyState, settings: Settings = Settings()) -> Query:
-    """Uncertainty sampling: the unqueried pool point of largest predictive variance."""
-    _, var = predict(state, state.pool, settings)
-    var = np.array(var)
-    var[_queried(state)] = -np.inf
-    if np.all(np.isinf(var)):
-        raise ValueError(f"party {state.party} has queried every pool point")
-    return Query(state.party, int(np.argmax(var)))
+@partial(jax.jit, static_argnames=("optimizer", "steps"))
+def _fit(params: gp.GPParams, X: Array, y: Array, optimizer: optax.GradientTransformation,
+         steps: int) -> gp.GPParams:
+    params, _ = minimise(lambda p, _: gp.neg_log_marginal(p, X, y), params, optimizer, steps)
+    return params
 
 
-def respond(state: PartyState, query: Query, settings: Settings, rng: np.random.Generator
-            ) -> tuple[Response, PartyState]:
-    """Answer a query from the private-data model; returns the message and the updated state."""
-    _check_settings(settings)
-    i = query.pool_index
-    if not 0 <= i < state.pool.shape[0]:
-        raise ValueError(f"party {query.sender} asked for pool index {i}; the pool has "
-                         f"{state.pool.shape[0]} points")
-    before = list(state.answered.get(query.sender, []))
-    if i in before:
-        raise ValueError(f"party {query.sender} asked again for pool index {i}, which party "
-                         f"{state.party} has already answered")
-    pts = state.pool[np.array(before + [i])]
-    mean, cov = gp.predict(state.params, state.X, state.y, pts, full_cov=True)
-    cov = cov + state.params.noise_var * jnp.eye(len(pts))  # predictive covariance of y
-    prior = gp.kernel(state.params, pts, pts)
-    released, noise_std = float(mean[-1]), 0.0
-    if settings.dp is not None:
-        released, noise_std = _release(state, float(mean[-1]), float(prior[-1, -1]),
-                                       settings.dp, rng)
-    cov_row = None
-    if settings.uncertainty != "none":
-        cov_row = np.asarray(cov[-1] if settings.uncertainty == "full" else cov[-1, -1:])
-        if settings.dp is not None and settings.dp.inflate_variance:
-            cov_row = cov_row.copy()
-            cov_row[-1] += noise_std**2
-    prior_row = np.asarray(prior[-1]) if settings.combination != "noisy" else None
-    answered = dict(state.answered)
-    answered[query.sender] = before + [i]
-    return (Response(state.party, i, released, cov_row, prior_row, noise_std),
-            state._replace(answered=answered))
+def init_party(party: int, num_parties: int, X: Data, y: Data, pool: Data,
+               optimizer: optax.GradientTransformation, steps: int = 300) -> PartyState:
+    """Fit the party's GP on its private data and start with nothing exchanged."""
+    params = jax.device_get(fit_hyperparameters(X, y, optimizer, steps))
+    K = num_parties
+    return PartyState(np.asarray(party), params, np.asarray(pool, dtype=float),
+                      np.full((K, 0), -1), np.zeros((K, 0)), np.zeros((K, 0, 0)),
+                      np.zeros((K, 0, 0)), np.full((K, 0), -1), np.zeros(0))
 
 
-def _release(state: PartyState, mean: float, prior_var: float, dp: DPSettings,
-             rng: np.random.Generator) -> tuple[float, float]:
-    K = gp.kernel(state.params, state.X, state.X)
-    sens = privacy.gp_mean_sensitivity(np.asarray(K), float(state.params.noise_var), dp.d,
-                                       method=dp.sensitivity)
-    out = privacy.release_mean(rng, np.array([mean]), np.array([[prior_var]]), sens,
-                               dp.epsilon, dp.delta, rule=dp.rule, accountant=state.accountant)
-    return float(out.mean[0]), float(out.noise_scale * np.sqrt(prior_var))
+def _others(state: PartyState) -> list[int]:
+    me = int(state.party)
+    return [b for b in range(state.got_index.shape[0]) if b != me]
 
 
-def receive(state: PartyState, response: Response, settings: Settings) -> PartyState:
-    """Append a response to what the party knows from that responder."""
-    old = state.received.get(response.sender)
-    m = 0 if old is None else len(old.mean)
-    idx = np.append([] if old is None else old.pool_index, response.pool_index).astype(int)
-    mean = np.append([] if old is None else old.mean, response.mean)
-    V = _grow(None if old is None else old.V, response.cov_row, m, settings.uncertainty)
-    P = _grow(None if old is None else old.prior, response.prior_row, m, "full")
-    received = dict(state.received)
-    received[response.sender] = Received(idx, mean, V, P)
-    return state._replace(received=received)
-
-
-def _grow(M: np.ndarray | None, row: Array | None, m: int, mode: str) -> np.ndarray:
-    """Extend an m x m matrix by one row/column from ``row`` (zeros where nothing was sent)."""
-    out = np.zeros((m + 1, m + 1))
-    if M is not None:
-        out[:m, :m] = M
-    if row is None:
-        return out
-    row = np.asarray(row)
-    if mode == "full" and len(row) == m + 1:
-        out[m, :] = out[:, m] = row
-    else:
-        out[m, m] = row[-1]
-    return out
-
-
-def predict(state: PartyState, X_test: Array, settings: Settings) -> tuple[Array, Array]:
-    """The party's combined predictive mean and variance at ``X_test`` (its own view)."""
-    X_test = jnp.asarray(X_test, dtype=float)
-    if not state.received:
-        return gp.predict(state.params, state.X, state.y, X_test)
+def predict(state: PartyState, X: Data, y: Data, X_test: Data, settings: Settings
+            ) -> tuple[Array, Array]:
+    """The party's combined predictive mean and variance at ``X_test`` (its own view), given its
+    private data ``(X, y)`` and the answers it has received."""
+    X, y, X_test = jnp.asarray(X), jnp.asarray(y), jnp.asarray(X_test, dtype=float)
     p = state.params
-    parts = list(state.received.values())
-    Xq = state.pool[np.concatenate([r.pool_index for r in parts])]
-    y_aug = jnp.concatenate([state.y, jnp.asarray(np.concatenate([r.mean for r in parts]))])
-    V = jsl.block_diag(*[r.V for r in parts])
-    n1, nq = state.X.shape[0], Xq.shape[0]
-    X_aug = jnp.concatenate([state.X, Xq])
+    if state.got_index.shape[1] == 0:
+        return gp.predict(p, X, y, X_test)
+    others = _others(state)
+    Xq = jnp.asarray(state.pool[np.concatenate([state.got_index[b] for b in others])])
+    y_aug = jnp.concatenate([y, jnp.asarray(
+        np.concatenate([state.got_mean[b] for b in others]))])
+    V = jsl.block_diag(*[state.got_cov[b] for b in others])
+    n1, nq = X.shape[0], Xq.shape[0]
+    X_aug = jnp.concatenate([X, Xq])
     if settings.combination == "noisy":
         extra = jnp.zeros((n1 + nq, n1 + nq)).at[n1:, n1:].set(V + JITTER * jnp.eye(nq))
         return gp.predict(p, X_aug, y_aug, X_test, extra=extra)
-    P = jsl.block_diag(*[r.prior for r in parts])
+    P = jsl.block_diag(*[state.got_prior[b] for b in others])
     if settings.combination == "blocky":
-        C = jsl.block_diag(*[gp.kernel(p, state.X, state.X) + p.noise_var * jnp.eye(n1),
-                    P + V + JITTER * jnp.eye(nq)])
+        C = jsl.block_diag(gp.kernel(p, X, X) + p.noise_var * jnp.eye(n1),
+                           P + V + JITTER * jnp.eye(nq))
         Ks = gp.kernel(p, X_aug, X_test)
         chol = jnp.linalg.cholesky(C)
         mean = Ks.T @ jsl.cho_solve((chol, True), y_aug)
@@ -259,14 +259,186 @@ def predict(state: PartyState, X_test: Array, settings: Settings) -> tuple[Array
     return mean, jnp.maximum(jnp.diagonal(Kc[test, test]) - jnp.sum(half**2, 0), 1e-12)
 
 
-def _check_settings(settings: Settings) -> None:
-    if settings.combination not in COMBINATIONS:
-        raise ValueError(f"combination must be one of {COMBINATIONS}, got "
-                         f"{settings.combination!r}")
-    if settings.uncertainty not in UNCERTAINTIES:
-        raise ValueError(f"uncertainty must be one of {UNCERTAINTIES}, got "
-                         f"{settings.uncertainty!r}")
+# -- the protocol's steps ----------------------------------------------------------------------
+
+def make_query(state: PartyState, X: Data, y: Data, settings: Settings) -> Query:
+    """Uncertainty sampling: the pool point of largest predictive variance not yet asked."""
+    var = np.array(predict(state, X, y, state.pool, settings)[1])
+    asked = np.unique(np.concatenate([state.got_index[b] for b in _others(state)]))
+    var[asked] = -np.inf
+    if np.all(np.isinf(var)):
+        raise ValueError(f"party {int(state.party)} has queried every pool point")
+    return Query(int(state.party), int(np.argmax(var)))
+
+
+def respond(state: PartyState, X: Data, y: Data, query: Query, settings: Settings,
+            rng_key: Array | None = None) -> tuple[Response, float | None]:
+    """Answer one query from the private-data model: the :class:`Response` and, with DP, the
+    release's noise multiplier (``rng_key``: this release's randomness)."""
+    i, a, me = int(query.pool_index), int(query.sender), int(state.party)
+    if not 0 <= i < state.pool.shape[0]:
+        raise ValueError(f"party {a} asked for pool index {i}; the pool has "
+                         f"{state.pool.shape[0]} points")
+    if a == me or not 0 <= a < state.gave.shape[0]:
+        raise ValueError(f"party {me} cannot answer a query from party {a}")
+    before = [int(j) for j in state.gave[a]]
+    if i in before:
+        raise ValueError(f"party {a} asked again for pool index {i}, which party {me} has "
+                         "already answered")
+    p, X, y = state.params, jnp.asarray(X), jnp.asarray(y)
+    pts = jnp.asarray(state.pool[np.array([*before, i])])
+    mean, cov = gp.predict(p, X, y, pts, full_cov=True)
+    cov = cov + p.noise_var * jnp.eye(len(pts))  # predictive covariance of y
+    prior = gp.kernel(p, pts, pts)
+    released, noise_std, multiplier = float(mean[-1]), 0.0, None
     if settings.dp is not None:
-        if not settings.dp.epsilon > 0:
-            raise ValueError(f"epsilon must be positive, got epsilon={settings.dp.epsilon}")
-        privacy.c_delta(settings.dp.delta, settings.dp.rule)  # checks 0 < delta < 1
+        if rng_key is None:
+            raise ValueError("a DP release needs an rng_key")
+        released, noise_std, multiplier = _release(p, X, released, float(prior[-1, -1]),
+                                                   settings.dp, rng_key)
+    cov_row = None
+    if settings.uncertainty != "none":
+        cov_row = np.array(cov[-1] if settings.uncertainty == "full" else cov[-1, -1:])
+        if settings.dp is not None and settings.dp.inflate_variance:
+            cov_row[-1] += noise_std**2
+    prior_row = np.asarray(prior[-1]) if settings.combination != "noisy" else None
+    return Response(me, a, i, released, cov_row, prior_row, noise_std), multiplier
+
+
+def _release(params: gp.GPParams, X: Array, mean: float, prior_var: float, dp: DPSettings,
+             rng_key: Array) -> tuple[float, float, float]:
+    """One GP-prior-sample release (:func:`fedppl.privacy.release_mean`): the released mean,
+    the added noise's standard deviation, and the release's noise multiplier."""
+    K = gp.kernel(params, X, X)
+    sens = privacy.gp_mean_sensitivity(np.asarray(K), float(params.noise_var), dp.d,
+                                       method=dp.sensitivity)
+    one = privacy.PrivacyAccountant()  # records this release's multiplier
+    out = privacy.release_mean(rng_key, np.array([mean]), np.array([[prior_var]]), sens,
+                               dp.epsilon, dp.delta, rule=dp.rule, accountant=one)
+    return (float(out.mean[0]), float(out.noise_scale * np.sqrt(prior_var)),
+            one.noise_multipliers[0])
+
+
+def answer(state: PartyState, X: Data, y: Data, queries: Sequence[Query], settings: Settings,
+           rng_key: Array | None = None) -> tuple[Answers, PartyState]:
+    """Answer every other party's query (one each, in querier order); returns the message and
+    the state that records the answers and the DP releases.
+
+    The noise of the release to party ``a`` is drawn with NumPy from
+    ``jax.random.fold_in(rng_key, a)``, by :func:`fedppl.privacy.release_mean`'s rule (a
+    generator seeded with the key's raw data): each party's releases come from its own key.
+    """
+    theirs = sorted((q for q in queries if int(q.sender) != int(state.party)),
+                    key=lambda q: int(q.sender))
+    if [int(q.sender) for q in theirs] != _others(state):
+        raise ValueError(f"party {int(state.party)} needs one query from each of parties "
+                         f"{_others(state)}, got queries from "
+                         f"{[int(q.sender) for q in queries]}")
+    responses, sigmas = [], []
+    for q in theirs:
+        key = None if rng_key is None else jax.random.fold_in(rng_key, int(q.sender))
+        r, sigma = respond(state, X, y, q, settings, key)
+        responses.append(r)
+        sigmas += [] if sigma is None else [sigma]
+    column = np.full((state.gave.shape[0], 1), -1)
+    column[[int(q.sender) for q in theirs], 0] = [int(q.pool_index) for q in theirs]
+    return Answers(tuple(responses)), state._replace(
+        gave=np.concatenate([state.gave, column], axis=1),
+        dp_multipliers=np.append(state.dp_multipliers, sigmas))
+
+
+def receive(state: PartyState, responses: Sequence[Response], settings: Settings) -> PartyState:
+    """Fold in the answers to this party's query: one :class:`Response` from every other
+    party (a querier hears from each responder once per round)."""
+    by_sender = {int(r.sender): r for r in responses}
+    if sorted(by_sender) != _others(state) or len(responses) != len(by_sender):
+        raise ValueError(f"party {int(state.party)} expects one response from each of parties "
+                         f"{_others(state)}, got {[int(r.sender) for r in responses]}")
+    K, m = state.got_index.shape
+    index, mean = np.full((K, m + 1), -1), np.zeros((K, m + 1))
+    index[:, :m], mean[:, :m] = state.got_index, state.got_mean
+    cov, prior = np.zeros((K, m + 1, m + 1)), np.zeros((K, m + 1, m + 1))
+    cov[:, :m, :m], prior[:, :m, :m] = state.got_cov, state.got_prior
+    for b, r in by_sender.items():
+        index[b, m], mean[b, m] = int(r.pool_index), float(r.mean)
+        _grow(cov[b], r.cov_row, m, settings.uncertainty)
+        _grow(prior[b], r.prior_row, m, "full")
+    return state._replace(got_index=index, got_mean=mean, got_cov=cov, got_prior=prior)
+
+
+def _grow(M: np.ndarray, row: np.ndarray | None, m: int, mode: str) -> None:
+    """Fill the new last row and column of ``M`` (in place) from ``row``, as ``mode`` says:
+    the whole row (``"full"``), its last entry on the diagonal, or zeros (no row sent)."""
+    if row is None:
+        return
+    values = np.asarray(row)
+    if mode == "full" and len(values) == m + 1:
+        M[m, :] = M[:, m] = values
+    else:
+        M[m, m] = values[-1]
+
+
+def epsilon_spent(state: PartyState, delta: float) -> float:
+    """The composed epsilon of every DP release the party has made, at ``delta``."""
+    sigmas, counts = np.unique(np.asarray(state.dp_multipliers, dtype=float),
+                               return_counts=True)
+    return _composed_epsilon(tuple(zip(sigmas.tolist(), counts.tolist(), strict=True)),
+                             float(delta))
+
+
+@lru_cache(maxsize=1024)
+def _composed_epsilon(releases: tuple[tuple[float, int], ...], delta: float) -> float:
+    """Epsilon of ``count`` releases at each noise multiplier (cached: parties and runs with
+    the same DP settings spend the same)."""
+    accountant = privacy.PrivacyAccountant()
+    for sigma, count in releases:
+        for _ in range(count):
+            accountant.record(sigma)
+    return accountant.epsilon(delta)
+
+
+# -- the trio ----------------------------------------------------------------------------------
+
+def make_trio(settings: Settings) -> Trio:
+    """Co-training as a host-side :class:`~fedppl.algorithms.trio.Trio` on (:class:`Relay`,
+    :class:`PartyState`); a round of the runtime is one exchange, alternately the ask and the
+    answer exchange (see the module docstring). ``data`` is each party's ``(X, y)``."""
+    check_settings(settings)
+
+    def client_update(server: Relay, state: PartyState, data, mask, rng_key, index):
+        X, y = (np.asarray(a)[np.asarray(mask)] for a in data)
+        if server.queries is None:
+            return make_query(state, X, y, settings), state
+        return answer(state, X, y, unstack(server.queries), settings, rng_key)
+
+    def server_update(server: Relay, messages, index, received, rng_key, evaluate):
+        if not np.all(received):
+            raise ValueError("co-training needs every party in every exchange")
+        if server.queries is None:
+            return Relay(messages), None
+        return Relay(None), _route(messages)
+
+    def acknowledge(state: PartyState, message, reply: Answers | None, proposed: PartyState):
+        return proposed if reply is None else receive(proposed, reply.responses, settings)
+
+    return Trio(client_update, server_update, acknowledge, jit=False)
+
+
+def unstack(tree: Any) -> list:
+    """A pytree stacked on axis 0 as a list of its entries."""
+    n = len(jax.tree_util.tree_leaves(tree)[0])
+    return [jax.tree_util.tree_map(partial(_entry, k=k), tree) for k in range(n)]
+
+
+def _entry(x: Any, k: int) -> Any:
+    return x[k]
+
+
+def _route(messages: Answers) -> Answers:
+    """The relay's replies, stacked over parties: to each querier the responses addressed to
+    it, in responder order."""
+    responses = [r for stack in messages.responses for r in unstack(stack)]
+    K = len(np.asarray(messages.responses[0].sender))
+    replies = [Answers(tuple(sorted((r for r in responses if int(r.querier) == a),
+                                    key=lambda r: int(r.sender)))) for a in range(K)]
+    return jax.tree_util.tree_map(lambda *xs: np.stack(xs), *replies)

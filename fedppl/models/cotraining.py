@@ -10,15 +10,21 @@ from a party's own side), the others are folded in by the Woodbury identity,
 ``K_c = C_1 - C_1 U (B + U^T C_1 U)^-1 U^T C_1`` with ``U = [E_2, E_3, ...]`` and
 ``B = blockdiag(C_2, C_3, ...)``, which needs one linear solve and no explicit inverse.
 
-Example::
+Example (view 1 sees all three points, view 2 the last two)::
 
-    >>> Kc = cotraining_kernel([(all_idx, C1), (pool_idx, C2)], n)
-    >>> numpyro model: cotraining_gp(views, obs_idx, y_obs)   # hyperparameters as params
+    >>> import numpy as np
+    >>> C1, C2 = 2.0 * np.eye(3), np.eye(2)
+    >>> Kc = cotraining_kernel([(np.arange(3), C1), (np.array([1, 2]), C2)], 3)
+    >>> [round(float(v), 3) for v in np.diag(Kc)]  # 1 / (1/2 + 1) where both views see it
+    [2.0, 0.667, 0.667]
+
+:func:`cotraining_gp` is the same kernel as a NumPyro model, for type-II ML of every view's
+hyperparameters by SVI with an empty guide.
 """
 
 from __future__ import annotations
 
-from typing import Sequence
+from collections.abc import Sequence
 
 import jax.numpy as jnp
 import jax.scipy.linalg as jsl
@@ -32,7 +38,7 @@ from fedppl.models.kernels import se
 
 __all__ = ["cotraining_kernel", "cotraining_gp"]
 
-Block = tuple[Array, Array]  # (indices of the view's points among all n, their covariance)
+Block = tuple[np.ndarray | Array, Array]  # (the view's points among all n, their covariance)
 
 
 def cotraining_kernel(blocks: Sequence[Block], n: int) -> Array:

@@ -38,11 +38,32 @@ def test_grid_is_the_full_factorial():
     assert len(set(g)) == len(g)
 
 
+def test_parties_of_maps_a_problem_onto_clients_and_keywords():
+    p = study.parties_of(study._problem(study.Config(n_obs=7, seed=2)))
+    assert p.clients.names == ("party 0", "party 1") and p.clients.sizes.tolist() == [7, 7]
+    assert [a.shape for a in p.pool] == [(500, 1), (500, 1)] and p.y_test.shape == (500,)
+
+
 def test_cli_cotrain_with_dp(tmp_path, capsys):
     out = tmp_path / "c.json"
     assert main(["cotrain", "--masked", "--dp", "--rounds", "2", "--n-obs", "15", "--json",
                  str(out)]) == 0
     text = capsys.readouterr().out
     assert "| 1 |" in text and "epsilon" in text
-    row = json.loads(out.read_text())
-    assert row["dp"] is True and all(e > 0 for e in row["epsilon"])
+    res = json.loads(out.read_text())
+    assert {"config", "method", "summary", "history", "rejected"} <= set(res)
+    assert res["config"]["dp"] is True and res["method"] == "CoTraining"
+    assert all(e > 0 for e in res["summary"]["epsilon"])
+    assert res["history"]["round"] == [1, 2] and len(res["history"]["epsilon"]) == 2
+
+
+@pytest.mark.parametrize("flags,match", [
+    (["--rounds", "0"], "--rounds must be a positive integer"),
+    (["--n-obs", "-3"], "--n-obs must be a positive integer"),
+    (["--dp", "--epsilon", "0"], "dp.epsilon"),
+    (["--dp", "--delta", "2"], "dp.delta"),
+    (["--r", "1.5"], "--r must lie in"),
+])
+def test_cli_cotrain_refuses_bad_flags(flags, match):
+    with pytest.raises(SystemExit, match=match):
+        main(["cotrain", *flags])
