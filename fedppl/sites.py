@@ -34,7 +34,8 @@ from numpyro.distributions.transforms import IdentityTransform, Transform, bijec
 
 from fedppl.families.gaussian import DiagGaussian, FullGaussian, Gaussian
 
-__all__ = ["Site", "SiteLayout", "classify", "prior_factor", "prior_correction", "curvature"]
+__all__ = ["Site", "SiteLayout", "classify", "prior_factor", "prior_correction", "curvature",
+           "float_dtype", "cast_floats"]
 
 BASE_DRAWS = 512  # prior draws that place the Gaussian base of a corrected site
 
@@ -61,9 +62,18 @@ class Site:
 
 @dataclass(frozen=True)
 class SiteLayout:
-    """Ordered global latent sites and their place in the flat unconstrained vector."""
+    """Ordered global latent sites and their place in the flat unconstrained vector.
+
+    ``dtype`` is the floating dtype ``theta`` (and so the guide, its factors and the prior's
+    Gaussian base) computes in; None (the default) fixes it, when the layout is made, to JAX's
+    default float: float64 under ``jax_enable_x64``, else float32 (see :func:`float_dtype`).
+    """
 
     sites: tuple[Site, ...]
+    dtype: Any = None
+
+    def __post_init__(self):
+        object.__setattr__(self, "dtype", float_dtype(self.dtype))
 
     @property
     def dim(self) -> int:
@@ -103,11 +113,13 @@ class SiteLayout:
 
     @classmethod
     def from_trace(cls, model: Callable, args: tuple, kwargs: dict, tr: dict,
-                   names: Sequence[str], priors: bool = True) -> SiteLayout:
+                   names: Sequence[str], priors: bool = True, dtype: Any = None) -> SiteLayout:
         """Lay out the sites ``names`` of the trace ``tr`` of ``model(*args, **kwargs)``; with
         ``priors``, sites whose prior is not one fixed Gaussian in the unconstrained space get a
         Gaussian base (see :func:`prior_factor`) from prior draws (local sites need none: their
-        priors are part of each client's likelihood)."""
+        priors are part of each client's likelihood). The priors' Gaussians and bases are kept
+        in the layout's ``dtype`` (see :class:`SiteLayout`)."""
+        dtype = float_dtype(dtype)
         dependent = (_dependent_sites(model, args, kwargs, tr, names) if priors
                      else set(names))
         sites, start = [], 0
@@ -127,9 +139,11 @@ class SiteLayout:
             size = int(math.prod(ushape))
             gaussian = (None if name in dependent
                         else _fixed_gaussian(fn, transform, shape, name))
+            if gaussian is not None:  # a prior of Python floats is float64 under x64
+                gaussian = tuple(jnp.asarray(a, dtype) for a in gaussian)
             sites.append(Site(name, shape, ushape, transform, start, size, fn, gaussian))
             start += size
-        layout = cls(tuple(sites))
+        layout = cls(tuple(sites), dtype)
         if priors and layout.corrected:
             layout = layout._with_bases(model, args, kwargs)
         return layout
@@ -164,10 +178,12 @@ class SiteLayout:
                 loc = np.nan_to_num(np.nanmedian(u, axis=0))
                 q25, q75 = np.nanpercentile(u, [25, 75], axis=0)
                 sd = np.clip(np.nan_to_num((q75 - q25) / 1.349, nan=1.0), 1e-3, 1e3)
+                # NumPy statistics are float64: the base is kept in the layout's dtype
                 s = Site(s.name, s.shape, s.unconstrained_shape, s.transform, s.start, s.size,
-                         s.prior, None, (jnp.asarray(loc), jnp.asarray(sd**2)))
+                         s.prior, None, (jnp.asarray(loc, self.dtype),
+                                         jnp.asarray(sd**2, self.dtype)))
             sites.append(s)
-        return SiteLayout(tuple(sites))
+        return SiteLayout(tuple(sites), self.dtype)
 
     # -- moving between the flat vector and per-site values ------------------------------------
 
@@ -206,6 +222,25 @@ class SiteLayout:
             else dist.MultivariateNormal(mean, covariance_matrix=cov)
         )
         return transformed(base, s)
+
+
+def float_dtype(dtype: Any = None) -> np.dtype:
+    """``dtype`` as JAX will compute in it (float64 becomes float32 without x64); None gives
+    JAX's default float (float64 under ``jax_enable_x64``, else float32)."""
+    return np.dtype(jax.dtypes.canonicalize_dtype(jnp.float64 if dtype is None else dtype))
+
+
+def cast_floats(arrays: Sequence[Any], dtype: Any) -> tuple:
+    """``arrays`` with the floating ones cast to ``dtype`` (integer, boolean and other arrays,
+    and non-arrays, as they are): a model's data in the dtype ``theta`` computes in, so that
+    float32 data do not meet a float64 ``theta`` or the other way round."""
+    out = []
+    for a in arrays:
+        kind = getattr(a, "dtype", None)
+        if kind is not None and jnp.issubdtype(kind, jnp.floating) and kind != dtype:
+            a = jnp.asarray(a, dtype)
+        out.append(a)
+    return tuple(out)
 
 
 def classify(model: Callable, args: tuple, kwargs: dict,
@@ -380,7 +415,9 @@ def prior_correction(model: Callable, layout: SiteLayout, family: str, args: tup
             total = total + jnp.sum(t[s.name]["fn"].log_prob(value)) + jnp.sum(ladj) - log_base
         for n in factors:
             total = total + jnp.sum(t[n]["fn"].log_prob(t[n]["value"]))
-        return total
+        # in the layout's dtype: numpyro may compute a prior density in float64 under x64 (a
+        # Python-float parameter next to an array one becomes a float64 NumPy array)
+        return jnp.asarray(total, layout.dtype)
 
     return correction
 

@@ -29,7 +29,7 @@ from jax import Array
 from numpyro import handlers
 
 from fedppl.families.gaussian import FullGaussian
-from fedppl.sites import SiteLayout, is_identity
+from fedppl.sites import SiteLayout, cast_floats, is_identity
 
 __all__ = ["GaussianLikelihood", "ObservedSite", "check", "likelihood_terms",
            "likelihood_factor", "expected_log_lik", "observed_sites", "affine_reason"]
@@ -67,7 +67,7 @@ def observed_sites(model: Callable, layout: SiteLayout, theta: Array, args: tupl
     """
     values = layout.constrain(theta)
     tr = handlers.trace(handlers.substitute(handlers.seed(model, 0), data=values)).get_trace(
-        *args, **kwargs
+        *cast_floats(args, layout.dtype), **kwargs
     )
     out = []
     for name, site in tr.items():
@@ -78,7 +78,7 @@ def observed_sites(model: Callable, layout: SiteLayout, theta: Array, args: tupl
                 raise NotConjugate(f"latent site '{name}' is not a global site")
             continue
         fn, value = site["fn"], site["value"]
-        weight = jnp.ones(jnp.shape(value))
+        weight = jnp.ones(jnp.shape(value), layout.dtype)
         while True:
             if isinstance(fn, dist.MaskedDistribution):
                 mask = jnp.reshape(fn._mask, jnp.shape(fn._mask) + (1,) * len(fn.event_shape))
@@ -96,15 +96,21 @@ def observed_sites(model: Callable, layout: SiteLayout, theta: Array, args: tupl
 
 def affine_reason(fn: Callable[[Array], Array], dim: int, dtype: Any, seed: int = 0,
                   what: str = "the mean of an observed site") -> str | None:
-    """``None`` if ``fn(theta) = fn(0) + J theta`` at two random points, else the reason."""
+    """``None`` if ``fn(theta) = fn(0) + J theta`` at two random points, else the reason.
+
+    The tolerance is relative to the size of the terms, ``|fn(0)| + |J| |theta|``: ``1e-5`` of
+    it, or ``100 * eps`` of it where the dtype's rounding is coarser (``J @ theta`` and
+    ``fn(theta)`` round differently, by up to a few ``eps`` of those terms each)."""
     theta0 = jnp.zeros(dim, dtype=dtype)
     loc0 = fn(theta0)
     J = jax.jacfwd(fn)(theta0)
+    rel = max(1e-5, 100 * float(jnp.finfo(loc0.dtype).eps))
     rng = np.random.default_rng(seed)
     for _ in range(2):
         theta = jnp.asarray(rng.normal(size=dim) * 3.0, dtype=dtype)
         loc = fn(theta)
-        tol = 1e-5 * (1.0 + jnp.max(jnp.abs(loc)))
+        size = jnp.abs(loc0) + jnp.abs(J) @ jnp.abs(theta)
+        tol = rel * (1.0 + jnp.maximum(jnp.max(jnp.abs(loc)), size))
         if not bool(jnp.all(jnp.abs(loc - (loc0 + J @ theta)) <= tol)):
             return f"{what} is not affine in the global sites"
     return None
@@ -124,13 +130,14 @@ def _normal_observations(model: Callable, layout: SiteLayout, theta: Array, args
         weights.append(jnp.reshape(weight, (-1,)))
     if not locs:
         raise NotConjugate("the model has no observed sites")
-    return tuple(jnp.concatenate(p) for p in (locs, scales, ys, weights))
+    # in the layout's dtype: a scale of Python floats is float64 under x64 once concatenated
+    return tuple(jnp.concatenate(p).astype(layout.dtype) for p in (locs, scales, ys, weights))
 
 
 def likelihood_terms(model: Callable, layout: SiteLayout, *args: Any, **kwargs: Any
                      ) -> GaussianLikelihood:
     """``J``, residual at zero and precisions of a conjugate model (see module doc)."""
-    theta0 = jnp.zeros(layout.dim)
+    theta0 = jnp.zeros(layout.dim, layout.dtype)
     loc0, scale, y, weight = _normal_observations(model, layout, theta0, args, kwargs)
     J = jax.jacfwd(lambda t: _normal_observations(model, layout, t, args, kwargs)[0])(theta0)
     prec = weight / scale**2
@@ -163,15 +170,15 @@ def check(model: Callable, layout: SiteLayout, *args: Any, seed: int = 0, **kwar
         if not is_identity(s.transform):
             return f"global site '{s.name}' is constrained ({type(s.transform).__name__})"
     try:
-        theta0 = jnp.zeros(layout.dim)
-        loc0, scale0, _, _ = _normal_observations(model, layout, theta0, args, kwargs)
+        theta0 = jnp.zeros(layout.dim, layout.dtype)
+        _, scale0, _, _ = _normal_observations(model, layout, theta0, args, kwargs)
         reason = affine_reason(
             lambda t: _normal_observations(model, layout, t, args, kwargs)[0], layout.dim,
-            loc0.dtype, seed)
+            layout.dtype, seed)
         if reason is not None:
             return reason
         rng = np.random.default_rng(seed + 1)
-        theta = jnp.asarray(rng.normal(size=layout.dim) * 3.0, dtype=loc0.dtype)
+        theta = jnp.asarray(rng.normal(size=layout.dim) * 3.0, dtype=layout.dtype)
         _, scale, _, _ = _normal_observations(model, layout, theta, args, kwargs)
         if not bool(jnp.allclose(scale, scale0)):
             return "the scale of an observed site depends on the global sites"

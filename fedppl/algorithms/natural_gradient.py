@@ -22,8 +22,9 @@ KL to the cavity is never estimated: it enters in closed form through ``lambda_c
 
 Each iteration takes the largest step in ``beta, beta/2, ..., beta/2^10`` whose precision is
 positive definite and which does not lower the local objective ``E_q[log p] - KL(q || q_cav)``
-(with the same fixed draws) by more than a slack of 0.01 nats; the slack covers the small gap,
-of Monte Carlo size, between the fixed point and that objective's optimum. Where no damped step
+(with the same fixed draws) by more than a slack of 0.01 nats (plus ``1e-6``, or in float32
+``100 eps``, of the objective's size, for its rounding); the slack covers the small gap, of Monte
+Carlo size, between the fixed point and that objective's optimum. Where no damped step
 is positive definite (a likelihood with positive curvature where q looks, as in a funnel or a
 mixture) the step carries the second-order term of Lin, Schmidt and Khan (2020), ``Lambda + b G
 + (b^2/2) G Sigma G``, which is positive definite for every ``b`` and has the same fixed point.
@@ -34,7 +35,11 @@ undamped iteration oscillates on hard problems, such as nearly separable classes
 quarter, up to ``step_size``, otherwise (a drift along a flat valley, where the residual may grow
 while the objective climbs, keeps its step). The solve stops
 when the residual is at most ``tol`` (converged), after ``max_iters`` iterations, or when no step
-is acceptable or ``beta`` falls below 2^-20 (all reported as not converged).
+is acceptable or ``beta`` falls below 2^-20 (all reported as not converged). ``tol`` is floored at
+the residual that rounding alone leaves, ``10 eps^2 (D + m' Lambda m)`` for the dtype's ``eps``
+(:func:`round_off`): two iterates that differ by a relative ``eps`` in their natural parameters
+are that far apart. In float64 the floor is ~1e-29 and never binds; in float32 it is ~1e-12 for
+a posterior mean a few standard deviations from zero, so a float32 solve converges where it can.
 
 Local latent sites extend ``q`` to the client's joint over ``(theta, z_k)``: the cavity is flat in
 ``z_k`` (their prior is in the client's likelihood), and the factor is the joint's marginal over
@@ -62,13 +67,16 @@ from jax import Array
 from fedppl.families import gaussian as g
 from fedppl.guides.pvi_guide import PVIGuide
 from fedppl.handlers.client import client
+from fedppl.sites import cast_floats
 
 __all__ = ["LocalResult", "NaturalGradientSolver", "PriorSolver", "base_draws",
-           "expected_log_lik", "log_lik_fn"]
+           "expected_log_lik", "log_lik_fn", "round_off"]
 
 STEP_HALVINGS = 11
 MIN_STEP = 2.0**-20  # a solve whose step size fell below this stops, reported as not converged
 SLACK = 1e-2  # nats a step may lower the local objective (plus 1e-6 of its size) and be taken
+# ... or plus 100 eps of its size where the dtype rounds coarser than that (float32: 1.2e-5): two
+# evaluations of a sum over N points at nearby q differ by a few eps of the sum's size
 
 
 class LocalResult(NamedTuple):
@@ -117,12 +125,14 @@ def log_lik_fn(model: Callable, guide: PVIGuide, data: tuple, mask: Array
     """
     layout, loc = guide.layout, guide.local_layout
     D = layout.dim
+    data = cast_floats(data, layout.dtype)  # float32 data meet a float32 theta, not float64
 
     def scoped(seed):
         return client(model, mask=mask, draw=seed)
 
     if loc is None:
-        return lambda phi, seed=0: _observed(_trace(scoped(seed), layout.constrain(phi), data))
+        return lambda phi, seed=0: _observed(_trace(scoped(seed), layout.constrain(phi), data),
+                                             layout.dtype)
 
     def trace(phi, seed):
         values = layout.constrain(phi[:D])
@@ -130,18 +140,17 @@ def log_lik_fn(model: Callable, guide: PVIGuide, data: tuple, mask: Array
         return _trace(scoped(seed), values, data)
 
     def observed(phi, seed):
-        return _observed(trace(phi, seed))
+        return _observed(trace(phi, seed), dtype)
 
     # which local coordinates the data touch: the observed term's gradient at two points
-    d = loc.dim
-    dtype = data_dtype(data)
+    d, dtype = loc.dim, layout.dtype
     probe = [jnp.concatenate([jnp.full(D, c, dtype), c + 0.05 * jnp.arange(d, dtype=dtype)])
              for c in (0.1, -0.3)]
     touched = sum(jnp.abs(jax.grad(observed)(p, 0)[D:]) for p in probe) > 0
 
     def log_lik(phi: Array, seed: Array = 0) -> Array:
         tr = trace(phi, seed)
-        total = _observed(tr)
+        total = _observed(tr, dtype)
         z = phi[D:]
         for s in loc.sites:
             u = z[s.slice]
@@ -156,7 +165,7 @@ def log_lik_fn(model: Callable, guide: PVIGuide, data: tuple, mask: Array
             else:  # terms that do not split by coordinate: the whole site or nothing
                 total = total + jnp.where(jnp.any(here), jnp.sum(lp) + jnp.sum(ladj),
                                           jnp.sum(std))
-        return total
+        return total.astype(dtype)
 
     return log_lik
 
@@ -174,13 +183,17 @@ def _trace(model: Callable, values: dict, data: tuple) -> dict:
         *data)
 
 
-def _observed(tr: dict) -> Array:
-    total = 0.0
+def _observed(tr: dict, dtype) -> Array:
+    """The trace's observed log density, in ``dtype``: numpyro turns a Python-float parameter
+    next to an array one into a float64 NumPy array under x64 (``Normal(X @ w, 0.5)``), and the
+    client handler's ``num_data`` scale is float64 there too, so a float32 ``theta`` would
+    otherwise come back as a float64 log density (and objective, and free energy)."""
+    total = jnp.zeros((), dtype)
     for site in tr.values():
         if site["type"] == "sample" and site["is_observed"]:
             lp = jnp.sum(site["fn"].log_prob(site["value"]))
             total = total + (lp if site["scale"] is None else site["scale"] * lp)
-    return total
+    return jnp.asarray(total, dtype)
 
 
 def expected_log_lik(log_lik: Callable[[Array, Array], Array], q: g.Gaussian, eps: Array
@@ -200,7 +213,7 @@ class NaturalGradientSolver(NamedTuple):
     :param num_draws: ``S``, the fixed base draws (even; antithetic pairs).
     :param max_iters: cap on iterations per local step.
     :param tol: converged when the residual ``KL(q_new || q_old) / step^2`` (module doc) is at
-        most ``tol``.
+        most ``tol`` (or at the dtype's rounding floor, :func:`round_off`, if that is larger).
     :param seed: seed of the base draws (the same for every client and round).
     :param step_size: the first iteration's ``beta``.
     :param extra: an optional term over ``theta`` added to the client's log-likelihood
@@ -310,6 +323,7 @@ def solve(log_lik: Callable[[Array, Array], Array], q_cavity: g.Gaussian, q_init
     if extra is not None:
         log_lik = _sum(log_lik, extra[0])
     dtype = q_init.nat1.dtype
+    rel_slack = max(SLACK * 1e-4, 100 * float(jnp.finfo(dtype).eps))
     betas = jnp.asarray([2.0**-i for i in range(STEP_HALVINGS)], dtype)
     inf = jnp.asarray(jnp.inf, dtype)
 
@@ -335,7 +349,7 @@ def solve(log_lik: Callable[[Array, Array], Array], q_cavity: g.Gaussian, q_init
             lambda: _corrected_steps(q, aim, steps))
         # backtrack to the first positive-definite step that does not lower the objective
         # (beyond a slack for the gap between the fixed point and the objective's optimum)
-        floor = f_old - SLACK - SLACK * 1e-4 * jnp.abs(f_old)
+        floor = f_old - SLACK - rel_slack * jnp.abs(f_old)
 
         def look(c):
             j, _, _ = c
@@ -363,13 +377,23 @@ def solve(log_lik: Callable[[Array, Array], Array], q_cavity: g.Gaussian, q_init
                 jnp.where(ok, f_new, f_old))
 
     def cond(state):
-        _, _, residual, i, ok, _ = state
-        return (i < max_iters) & (residual > tol) & ok
+        q, _, residual, i, ok, _ = state
+        return (i < max_iters) & (residual > jnp.maximum(tol, round_off(q))) & ok
 
     init = (q_init, jnp.asarray(step_size, dtype), inf, jnp.asarray(0), jnp.asarray(True),
             objective(q_init))
     q, _, residual, iters, _, free_energy = jax.lax.while_loop(cond, body, init)
-    return LocalResult(q, free_energy, residual <= tol, iters)
+    return LocalResult(q, free_energy, residual <= jnp.maximum(tol, round_off(q)), iters)
+
+
+def round_off(q: g.Gaussian) -> Array:
+    """``10 eps^2 (D + m' Lambda m)``: about the ``KL`` between ``q`` and ``q`` with its natural
+    parameters perturbed by a relative ``eps`` (the dtype's), the smallest residual a solve in
+    that dtype can resolve (~1e-12 in float32 for ``m' Lambda m`` ~ 100, ~1e-29 in float64)."""
+    eps = jnp.finfo(q.nat1.dtype).eps
+    mean, _ = g.to_moments(q)
+    size = jnp.abs(jnp.sum(q.nat1 * mean, axis=-1))
+    return 10 * eps**2 * (q.dim + jnp.where(jnp.isfinite(size), size, 0.0))
 
 
 def _expected_derivatives(log_lik: Callable, kind: str, q: g.Gaussian, eps: Array,

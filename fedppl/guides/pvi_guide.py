@@ -28,7 +28,7 @@ import numpyro.distributions as dist
 from jax import Array
 
 from fedppl.families import gaussian as g
-from fedppl.sites import SiteLayout, classify, prior_correction, prior_factor
+from fedppl.sites import SiteLayout, classify, float_dtype, prior_correction, prior_factor
 
 __all__ = ["PVIGuide"]
 
@@ -55,11 +55,15 @@ class PVIGuide:
         ``AutoNormal``; cheaper (``D^3 + d`` for full rank, ``D + d`` mean-field) but it ignores
         the posterior correlation between the two, so the global sites' variance comes out too
         small, even for a Gaussian model.
+    :param dtype: the floating dtype q, the factors and the local steps compute in (the model's
+        floating data are cast to it). Default: JAX's default float at :meth:`setup`, float64
+        under ``jax_enable_x64`` and float32 without; ``jnp.float32`` runs PVI in float32 in an
+        x64 process too.
     """
 
     def __init__(self, model: Callable, global_sites: Sequence[str] | None = None,
                  family: str = "meanfield", *, local_sites: Sequence[str] | None = None,
-                 local: str = "joint"):
+                 local: str = "joint", dtype: Any = None):
         if family not in FAMILIES:
             raise ValueError(f"family must be one of {FAMILIES}, got {family!r}")
         if local not in LOCAL:
@@ -69,6 +73,7 @@ class PVIGuide:
         self.local_sites = None if local_sites is None else tuple(local_sites)
         self.family = family
         self.local = local
+        self.dtype = dtype
         self.layout: SiteLayout | None = None
         self.local_layout: SiteLayout | None = None
         self.prior: g.Gaussian | None = None
@@ -88,8 +93,9 @@ class PVIGuide:
         """Trace the model on prototype data (one client's arrays) to find the global and local
         sites, the prior's Gaussian base and its correction (again only when the arrays' shapes or
         the keyword arguments change: GlobalVI's pooled data may have more groups)."""
+        dtype = float_dtype(self.dtype)
         args = tuple(jnp.asarray(a) for a in args)  # traced inside compiled rounds later
-        signature = (tuple(jnp.shape(a) for a in args), repr(sorted(kwargs.items())))
+        signature = (tuple(jnp.shape(a) for a in args), repr(sorted(kwargs.items())), dtype)
         if self.layout is None or signature != self._signature:
             self._signature = signature
             tr, names, local = classify(self.model, args, kwargs, self.global_sites,
@@ -97,9 +103,10 @@ class PVIGuide:
             if not names:
                 raise ValueError("every latent site is local; PVI needs at least one global site "
                                  "(name them in global_sites)")
-            self.layout = SiteLayout.from_trace(self.model, args, kwargs, tr, names)
+            self.layout = SiteLayout.from_trace(self.model, args, kwargs, tr, names, dtype=dtype)
             self.local_layout = (SiteLayout.from_trace(self.model, args, kwargs, tr, local,
-                                                       priors=False) if local else None)
+                                                       priors=False, dtype=dtype)
+                                 if local else None)
             self.prior = g.strong(prior_factor(self.layout, self.family))
             self.prior_correction = prior_correction(self.model, self.layout, self.family, args,
                                                      kwargs)
@@ -159,7 +166,8 @@ class PVIGuide:
         if self.diag:
             return {"pvi_loc": mean, "pvi_scale_raw": jnp.log(sc)}
         diag = jnp.diagonal(sc, axis1=-2, axis2=-1)
-        raw = jnp.tril(sc, -1) + jnp.einsum("...i,ij->...ij", jnp.log(diag), jnp.eye(sc.shape[-1]))
+        eye = jnp.eye(sc.shape[-1], dtype=sc.dtype)  # not the default float: no float64 upcast
+        raw = jnp.tril(sc, -1) + jnp.einsum("...i,ij->...ij", jnp.log(diag), eye)
         return {"pvi_loc": mean, "pvi_scale_raw": raw}
 
     def mean_and_tril(self, params: dict[str, Array]) -> tuple[Array, Array]:
