@@ -1,6 +1,7 @@
 # Two commands do all the set-up on a fresh machine:
 #   make demo   - create/refresh .venv, install fedppl, run the federated demo (table + plot)
-#   make test   - create/refresh .venv, install fedppl with test extras, run the test suite
+#   make test   - create/refresh .venv, install fedppl with test extras, lint, type check, run
+#                 the test suite and the docstring examples
 PYTHON ?= $(shell command -v python3.11 || command -v python3)
 VENV   := .venv
 BIN    := $(VENV)/bin
@@ -19,7 +20,10 @@ $(STAMP): pyproject.toml constraints.txt
 demo: $(STAMP)
 	$(BIN)/fedppl demo
 
+# lint, type check, then the tests and the docstring examples (pytest --doctest-modules)
 test: $(STAMP)
+	$(BIN)/ruff check fedppl fedppl_experiments tests benchmarks tutorials examples
+	$(BIN)/mypy
 	OPENBLAS_NUM_THREADS=1 $(BIN)/python -m pytest -n $(TEST_JOBS) --dist loadfile
 
 bench: $(STAMP)

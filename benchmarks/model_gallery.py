@@ -42,6 +42,7 @@ HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 
 import gallery_references as refs  # noqa: E402  (sets jax_enable_x64, puts the repo on the path)
+
 from examples.gallery import GALLERY, Entry  # noqa: E402
 
 OUT = HERE / "results" / "model_gallery.json"
@@ -121,7 +122,7 @@ def evaluate(entry: Entry, args) -> dict:
     globals_ = list(sites) if entry.global_sites is None else list(entry.global_sites)
     row = {"model": entry.name, "family": entry.family, "description": entry.description,
            "num_data": int(sum(len(c[0]) for c in clients_arrays)),
-           "client_sizes": [int(len(c[0])) for c in clients_arrays],
+           "client_sizes": [len(c[0]) for c in clients_arrays],
            "sites": {s: list(v) for s, v in sites.items()},
            "global_sites": globals_, "local_sites": [s for s in sites if s not in globals_],
            "model_kwargs": {k: v for k, v in model_kwargs.items()}}

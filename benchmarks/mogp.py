@@ -73,7 +73,7 @@ def main() -> None:
         rs = syn[m]
         lines.append(f"| {m} | " + " | ".join(_cell([r[k] for r in rs]) for k in (
             "cls_rmse", "cls_var", "reg_rmse", "reg_var")) + f" | "
-            f"{_rounds_cell([r['rounds_to_converge'] for r in rs], args.rounds)} | "
+            f"{_rounds_cell([r['rounds_to_convergence'] for r in rs], args.rounds)} | "
             f"{_cell([r['seconds_per_round'] for r in rs])} |")
     for metric in ("accuracy", "mse", "ece", "seconds_per_round"):
         lines += ["", f"### digits: {metric}", "",

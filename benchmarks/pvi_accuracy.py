@@ -233,7 +233,7 @@ def print_tables(runs, long, glm) -> None:
         sel = [r for r in runs if (r["family"], r["K"], r["solver"], r["damping"]) ==
                (fam, K, solver, damping)]
 
-        def span(key):
+        def span(key, sel=sel):
             v = [r[key][-1] for r in sel]
             return f"{min(v):.3f}-{max(v):.3f}" if len(v) > 1 else f"{v[0]:.3f}"
 

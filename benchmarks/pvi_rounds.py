@@ -154,7 +154,7 @@ def rounds_within(budget_s: float, previous: dict | None, scale: float, rounds: 
 
 def max_abs_diff(a, b) -> float:
     return max(float(jnp.max(jnp.abs(x - y))) for x, y in
-               zip(jax.tree_util.tree_leaves(a), jax.tree_util.tree_leaves(b)))
+               zip(jax.tree_util.tree_leaves(a), jax.tree_util.tree_leaves(b), strict=True))
 
 
 def peak_rss_mib() -> float:

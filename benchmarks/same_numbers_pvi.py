@@ -101,7 +101,8 @@ def run_with(pythonpath: str | None) -> dict:
     with tempfile.TemporaryDirectory() as tmp:
         out = os.path.join(tmp, "out.pkl")
         env = dict(os.environ, OPENBLAS_NUM_THREADS="1")
-        code = f"import sys; sys.path.insert(0, {str(HERE)!r}); import same_numbers_pvi as m; m.child({out!r})"
+        code = (f"import sys; sys.path.insert(0, {str(HERE)!r}); import same_numbers_pvi as m; "
+                f"m.child({out!r})")
         if pythonpath:
             env["PYTHONPATH"] = pythonpath
         subprocess.run([sys.executable, "-c", code], env=env, check=True, cwd=tmp)
@@ -119,8 +120,9 @@ def main() -> None:
     print("|---|---:|---:|---:|")
     for name in before:
         b, a = before[name], after[name]
-        dq = max(float(np.max(np.abs(x - y))) for x, y in zip(b["q"], a["q"]))
-        rq = max(float(np.max(np.abs(x - y) / (np.abs(x) + 1e-300))) for x, y in zip(b["q"], a["q"]))
+        dq = max(float(np.max(np.abs(x - y))) for x, y in zip(b["q"], a["q"], strict=True))
+        rq = max(float(np.max(np.abs(x - y) / (np.abs(x) + 1e-300)))
+                 for x, y in zip(b["q"], a["q"], strict=True))
         dh = {k: float(np.nanmax(np.abs(b[k] - a[k]))) if b[k].shape == a[k].shape else "shape"
               for k in b if k != "q"}
         worst = max((v for v in dh.values() if isinstance(v, float)), default=0.0)

@@ -1,3 +1,6 @@
+"""``python -m fedppl``: the command line (:mod:`fedppl.cli`)."""
+
 from fedppl.cli import main
 
-raise SystemExit(main())
+if __name__ == "__main__":
+    raise SystemExit(main())

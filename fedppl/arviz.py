@@ -57,7 +57,7 @@ def to_inference_data(result: PVIResult, rng_key=None, num_samples: int = 1000):
     fe = result.history.get("free_energy")
     if fe is not None and len(fe):
         idata.posterior.attrs["final_local_free_energy"] = np.asarray(fe[-1]).tolist()
-        idata.posterior.attrs["num_rounds"] = int(len(fe))
+        idata.posterior.attrs["num_rounds"] = len(fe)
     for key in ("converged", "kl_change"):
         values = result.history.get(key)
         if values is not None and len(values):

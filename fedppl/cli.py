@@ -15,7 +15,7 @@ Example::
 from __future__ import annotations
 
 import argparse
-from typing import Sequence
+from collections.abc import Sequence
 
 __all__ = ["main"]
 

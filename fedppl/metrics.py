@@ -11,7 +11,7 @@ Example::
     >>> from fedppl import metrics
     >>> mean, var = metrics.unstandardise(mean_s, var_s, y_mean, y_std)  # back to original units
     >>> metrics.rmse(y_test, mean), metrics.gaussian_log_likelihood(y_test, mean, var)
-    >>> cal = metrics.regression_calibration(y_test, mean, var)          # cal.ece, cal.mce, cal.brier
+    >>> cal = metrics.regression_calibration(y_test, mean, var)  # cal.ece, cal.mce, cal.brier
     >>> metrics.accuracy(labels, prob), metrics.classification_ece(labels, prob, num_bins=10)
 """
 
@@ -70,7 +70,8 @@ def _vector(x: Any, name: str) -> np.ndarray:
     if a.ndim == 2 and a.shape[1] == 1:
         a = a[:, 0]
     if a.ndim != 1:
-        raise ValueError(f"{name} must be one value per point (shape (N,) or (N, 1)), got {a.shape}")
+        raise ValueError(f"{name} must be one value per point (shape (N,) or (N, 1)), "
+                         f"got {a.shape}")
     if a.size == 0:
         raise ValueError(f"{name} is empty")
     return a
@@ -138,7 +139,8 @@ def gaussian_log_likelihood(y: Any, mean: Any, var: Any) -> float:
     return float(np.mean(-0.5 * np.log(2 * np.pi * var) - 0.5 * (y - mean) ** 2 / var))
 
 
-def unstandardise(mean: Any, var: Any, y_mean: float, y_std: float) -> tuple[np.ndarray, np.ndarray]:
+def unstandardise(mean: Any, var: Any, y_mean: float,
+                  y_std: float) -> tuple[np.ndarray, np.ndarray]:
     """Map a predictive from standardised targets ``(y - y_mean) / y_std`` to original units.
 
     Returns ``(mean * y_std + y_mean, var * y_std**2)``. RMSE then scales by ``y_std``, and
@@ -202,10 +204,8 @@ def reliability_diagram(y: Any, prob: Any, num_bins: int = 10, ax: Any = None) -
         raise ValueError(f"num_bins must be a positive integer, got {num_bins}")
     num_bins = int(num_bins)
     labels, p = _classification(y, prob)
-    if p.shape[1] == 2:  # keep the binary tie rule of accuracy(): p = 0.5 predicts class 1
-        pred = (p[:, 1] >= 0.5).astype(np.int64)
-    else:
-        pred = np.argmax(p, axis=1)
+    # keep the binary tie rule of accuracy(): p = 0.5 predicts class 1
+    pred = (p[:, 1] >= 0.5).astype(np.int64) if p.shape[1] == 2 else np.argmax(p, axis=1)
     conf = p[np.arange(p.shape[0]), pred]
     correct = (pred == labels).astype(np.float64)
     bins = np.minimum((conf * num_bins).astype(np.int64), num_bins - 1)

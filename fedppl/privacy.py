@@ -52,7 +52,8 @@ from __future__ import annotations
 import math
 import warnings
 from collections import Counter
-from typing import Any, Callable, NamedTuple
+from collections.abc import Callable
+from typing import Any, NamedTuple
 
 import dp_accounting
 import numpy as np

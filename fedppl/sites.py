@@ -21,8 +21,9 @@ Example::
 from __future__ import annotations
 
 import math
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any, Callable, Sequence
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -140,7 +141,8 @@ class SiteLayout:
             gaussian = (None if name in dependent
                         else _fixed_gaussian(fn, transform, shape, name))
             if gaussian is not None:  # a prior of Python floats is float64 under x64
-                gaussian = tuple(jnp.asarray(a, dtype) for a in gaussian)
+                mean, cov = gaussian
+                gaussian = (jnp.asarray(mean, dtype), jnp.asarray(cov, dtype))
             sites.append(Site(name, shape, ushape, transform, start, size, fn, gaussian))
             start += size
         layout = cls(tuple(sites), dtype)
@@ -190,11 +192,13 @@ class SiteLayout:
     def unpack(self, theta: Array) -> dict[str, Array]:
         """Unconstrained per-site values from ``theta`` of shape ``(..., dim)``."""
         lead = theta.shape[:-1]
-        return {s.name: theta[..., s.slice].reshape(lead + s.unconstrained_shape) for s in self.sites}
+        return {s.name: theta[..., s.slice].reshape(lead + s.unconstrained_shape)
+                for s in self.sites}
 
     def constrain(self, theta: Array) -> dict[str, Array]:
         """Constrained per-site values (in the model's support) from ``theta``."""
-        return {s.name: s.transform(u) for s, u in zip(self.sites, self.unpack(theta).values())}
+        values = self.unpack(theta).values()
+        return {s.name: s.transform(u) for s, u in zip(self.sites, values, strict=True)}
 
     def unconstrain(self, values: dict[str, Array]) -> Array:
         """The flat unconstrained vector from constrained per-site values (no leading axes)."""
@@ -203,13 +207,14 @@ class SiteLayout:
 
     def log_abs_det_jacobian(self, theta: Array) -> Array:
         """Sum over sites of ``log |d constrain / d theta|`` (no leading axes)."""
-        total = 0.0
-        for s, u in zip(self.sites, self.unpack(theta).values()):
+        total: Array | float = 0.0
+        for s, u in zip(self.sites, self.unpack(theta).values(), strict=True):
             ladj = s.transform.log_abs_det_jacobian(u, s.transform(u))
             total = total + jnp.sum(ladj)
-        return total
+        return jnp.asarray(total)
 
-    def site_distribution(self, name: str, mean: Array, cov: Array, diag: bool) -> dist.Distribution:
+    def site_distribution(self, name: str, mean: Array, cov: Array, diag: bool
+                          ) -> dist.Distribution:
         """The constrained-space distribution of one site when ``theta`` is Gaussian.
 
         ``mean``/``cov`` are the site's block of the flat mean and covariance (``cov`` a
@@ -325,7 +330,7 @@ def _dependent_sites(model: Callable, args: tuple, kwargs: dict, tr: dict,
             continue
         same = len(a) == len(b) and all(
             np.shape(x) == np.shape(y) and np.allclose(np.asarray(x), np.asarray(y))
-            for x, y in zip(a, b)
+            for x, y in zip(a, b, strict=True)
         )
         if not same:
             out.add(name)
@@ -357,7 +362,9 @@ def prior_factor(layout: SiteLayout, family: str) -> Gaussian:
     """
     means, covs = [], []
     for s in layout.sites:
-        mean, cov = s.gaussian if s.gaussian is not None else s.base
+        pair = s.gaussian if s.gaussian is not None else s.base
+        assert pair is not None  # from_trace gives every corrected site a base
+        mean, cov = pair
         if family == "meanfield" and cov.ndim == 2:
             cov = jnp.diag(cov)
         means.append(mean)
@@ -398,14 +405,16 @@ def prior_correction(model: Callable, layout: SiteLayout, family: str, args: tup
     sites = [s for s in layout.sites if s.name in names]
 
     def site_base(s: Site) -> tuple[Array, Array]:
-        m, c = s.gaussian if s.gaussian is not None else s.base
+        pair = s.gaussian if s.gaussian is not None else s.base
+        assert pair is not None  # from_trace gives every corrected site a base
+        m, c = pair
         return m, (jnp.diag(c) if c.ndim == 2 else c)
 
     def correction(theta: Array) -> Array:
         values = layout.constrain(theta)
         t = handlers.trace(handlers.substitute(handlers.seed(model, 0), data=values)).get_trace(
             *args, **kwargs)
-        total = 0.0
+        total: Array | float = 0.0
         for s in sites:
             u = theta[s.slice]
             value = values[s.name]
@@ -482,6 +491,6 @@ def _fixed_gaussian(fn: dist.Distribution, transform: Transform, shape: tuple,
         d = fn.event_shape[-1]
         rows = math.prod(shape[:-1])
         loc = jnp.broadcast_to(fn.loc, shape).reshape(-1)
-        cov = jnp.broadcast_to(fn.covariance_matrix, shape[:-1] + (d, d)).reshape(rows, d, d)
+        cov = jnp.broadcast_to(fn.covariance_matrix, (*shape[:-1], d, d)).reshape(rows, d, d)
         return loc, jax.scipy.linalg.block_diag(*cov) if rows > 1 else cov[0]
     return None

@@ -23,10 +23,12 @@ Example::
 
 from __future__ import annotations
 
+import itertools
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import NamedTuple, Sequence
+from typing import NamedTuple
 
 import numpy as np
 
@@ -99,17 +101,17 @@ class TwoViewData:
         every view. The pool's targets go to ``y_pool``.
         """
         X, y = np.asarray(X, dtype=np.float64), np.asarray(y, dtype=np.float64)
-        views = tuple(tuple(int(c) for c in view) for view in views)
-        if len(party_rows) != len(views):
-            raise ValueError(f"{len(views)} views but {len(party_rows)} parties")
-        cut = [list(view) for view in views]
+        view_cols = tuple(tuple(int(c) for c in view) for view in views)
+        if len(party_rows) != len(view_cols):
+            raise ValueError(f"{len(view_cols)} views but {len(party_rows)} parties")
+        cut = [list(view) for view in view_cols]
         return cls(
-            X=tuple(X[np.asarray(r)][:, c] for r, c in zip(party_rows, cut)),
+            X=tuple(X[np.asarray(r)][:, c] for r, c in zip(party_rows, cut, strict=True)),
             y=tuple(y[np.asarray(r)] for r in party_rows),
             pool=tuple(X[np.asarray(pool_rows)][:, c] for c in cut),
             X_test=tuple(X[np.asarray(test_rows)][:, c] for c in cut),
             y_test=y[np.asarray(test_rows)],
-            views=views,
+            views=view_cols,
             y_pool=y[np.asarray(pool_rows)],
         )
 
@@ -123,7 +125,7 @@ class TwoViewData:
 
     def _join(self, parts: tuple[Array, ...]) -> Array:
         full = np.empty((parts[0].shape[0], sum(len(view) for view in self.views)))
-        for view, part in zip(self.views, parts):
+        for view, part in zip(self.views, parts, strict=True):
             full[:, list(view)] = part
         return full
 
@@ -193,7 +195,7 @@ def simulate_two_views(r: float, cond_indep: bool, masked: bool, n_obs: int,
     X = np.concatenate([p[0] for p in parts])
     y = np.concatenate([p[1] for p in parts])
     starts = np.cumsum([0, n_obs, n_obs, n_pool, n_test])
-    rows = [np.arange(a, b) for a, b in zip(starts[:-1], starts[1:])]
+    rows = [np.arange(a, b) for a, b in itertools.pairwise(starts)]
     return TwoViewData.from_rows(X, y, ((0,), (1,)), rows[:2], rows[2], rows[3])
 
 
@@ -292,7 +294,8 @@ def ccpp_split(path: str | Path, n_obs: int, masked: bool, n_test: int = 250,
             if n_obs > rows.size:
                 raise ValueError(f"n_obs = {n_obs} exceeds the {rows.size} labelled rows in "
                                  f"party {v + 1}'s cluster")
-        party = tuple(rng.choice(rows, n_obs, replace=False) for rows in per_party)
+        first, second = (rng.choice(rows, n_obs, replace=False) for rows in per_party)
+        party = (first, second)
     else:
         clusters = None
         if 2 * n_obs > cand.size:

@@ -104,11 +104,12 @@ def _clients_alone(model, clients, local_steps, key, Xte, yte) -> list[Row]:
     q_k = prior * t_k, the optimum of client k's ELBO on its data alone."""
     guide = PVIGuide(model, family="meanfield")
     t0 = time.perf_counter()
-    res = PVI(model, guide, schedule="synchronous", local_steps=local_steps, elbo_samples=0).run(key, clients, 1, progress_bar=False)
+    res = PVI(model, guide, schedule="synchronous", local_steps=local_steps,
+              elbo_samples=0).run(key, clients, 1, progress_bar=False)
     seconds = time.perf_counter() - t0
     scores = []
     for k in range(clients.num_clients):
-        factor = jax.tree_util.tree_map(lambda x: x[k], res.factors)
+        factor = jax.tree_util.tree_map(lambda x, k=k: x[k], res.factors)
         q_k = g.product(guide.prior, factor)
         scores.append(predictive(guide.sample(jax.random.key(2), q_k, 2000), Xte, yte))
     acc, ll = np.array(scores).T
@@ -154,7 +155,7 @@ def _plot(runs: dict[str, PVIResult], out: str) -> None:
     for name, res in runs.items():
         mean, var = res.mean_and_cov()
         var = np.diag(var) if np.ndim(var) == 2 else var
-        for j, ls in zip(range(3), ["-", "--", ":"]):
+        for j, ls in zip(range(3), ["-", "--", ":"], strict=True):
             axes[2].plot(xs, np.exp(-0.5 * (xs - mean[j]) ** 2 / var[j])
                          / np.sqrt(2 * np.pi * var[j]), ls=ls,
                          label=f"{name.split(' (')[0]} w[{j}]", lw=1.2)

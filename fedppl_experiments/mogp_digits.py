@@ -13,13 +13,15 @@ images on which both tasks are scored. Settings follow the paper's few-shot grid
 tanh MLP feature map (64 -> 16 -> 4), ``variant="network"`` (only the MLP is global, kernels, W
 and noise are personal), as in the paper's real-data protocol.
 
-Metrics: accuracy, classification ECE (:func:`fedppl.metrics.classification_ece`), regression
-MSE (on the standardised scale), and test accuracy per round (the convergence curve).
+Round keys come from :class:`~fedppl.infer.multitask_gp.PFedMul` (pFed-St: its ``fold_in(key,
+task)``). Metrics: accuracy, classification ECE (:func:`fedppl.metrics.classification_ece`),
+regression MSE (on the standardised scale), and test accuracy per round (the convergence curve).
 
 Example::
 
-    >>> res = run("pfed-mul", shots=10, rounds=20, seed=0)
-    >>> res["accuracy"], res["mse"], res["ece"], res["acc_curve"]
+    >>> res = run("pfed-mul", shots=5, num_clients=2, rounds=2, seed=0)
+    >>> len(res["acc_curve"]), 0.0 <= res["accuracy"] <= 1.0
+    (2, True)
 """
 
 from __future__ import annotations
@@ -29,9 +31,11 @@ import time
 import jax
 import jax.numpy as jnp
 import numpy as np
+import optax
 
 from fedppl import metrics
-from fedppl.algorithms import pfedmul as pm
+from fedppl.clients import Clients
+from fedppl.infer.multitask_gp import PFedMul, predict_latent, probability, task_clients
 from fedppl.models import mogp
 
 __all__ = ["SETTINGS", "load", "make_clients", "run", "METHODS"]
@@ -51,46 +55,39 @@ def load() -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     return d.data / 16.0, (digit - 4.5) / 2.87, (digit >= 5).astype(float)
 
 
-def make_clients(shots: int, num_clients: int, seed: int = 0, test_per_client: int = 30):
-    """Per client: training ``Data`` and test arrays ``(X, y_reg, y_cls)``."""
+def make_clients(shots: int, num_clients: int, seed: int = 0, test_per_client: int = 30
+                 ) -> tuple[Clients, list]:
+    """The clients' training rows ``(X, y, task)`` and per client test arrays
+    ``(X, y_reg, y_cls)``."""
     X, yr, yc = load()
     need = num_clients * (2 * shots + test_per_client)
     if need > len(X):
         raise ValueError(f"{num_clients} clients x ({2 * shots} shots + {test_per_client} test) "
                          f"needs {need} images, digits has {len(X)}")
     perm = np.random.default_rng(seed).permutation(len(X))
-    spec, datas, tests, pos = mogp.MOGPSpec(KINDS), [], [], 0
-    for c in range(num_clients):
+    per_client, tests, pos = [], [], 0
+    for _ in range(num_clients):
         r, k, te = (perm[pos:pos + shots], perm[pos + shots:pos + 2 * shots],
                     perm[pos + 2 * shots:pos + 2 * shots + test_per_client])
         pos += 2 * shots + test_per_client
-        datas.append(mogp.client_data([X[r], X[k]], [yr[r], yc[k]], spec, client=c))
+        per_client.append(([X[r], X[k]], [yr[r], yc[k]]))
         tests.append((X[te], yr[te], yc[te]))
-    return datas, tests
+    return mogp.multitask_clients(per_client, mogp.MOGPSpec(KINDS)), tests
 
 
-def _prob(m, v, order: int = 20):
-    x, w = np.polynomial.hermite_e.hermegauss(order)
-    f = np.asarray(m)[:, None] + np.sqrt(np.asarray(v))[:, None] * x[None]
-    return (1 / (1 + np.exp(-f))) @ w / np.sqrt(2 * np.pi)
-
-
-def _predict(models, X):
-    """``models[t] = (spec, state, task_index)`` -> regression mean and class probability."""
-    out = []
-    for spec, st, t in models:
-        m, v = mogp.predict(spec, st.hyper, st.Z, st.q, jnp.asarray(X), t)
-        out.append((np.asarray(m), np.asarray(v)))
-    return out[0][0], _prob(*out[1])
-
-
-def _scores(per_client_models, tests):
+def _scores(feds, states, tests) -> dict:
+    """``feds[i] = (method, clients, key)``: one multi-task model, or one model per task."""
     ys, ps, se = [], [], []
-    for models, (X, yr, yc) in zip(per_client_models, tests):
-        mean, prob = _predict(models, X)
-        se.append((mean - yr) ** 2)
+    for z, (X, yr, yc) in enumerate(tests):
+        out = []
+        for t in range(len(KINDS)):
+            method, state = (feds[t][0], states[t]) if len(feds) > 1 else (feds[0][0], states[0])
+            mean, var = predict_latent(method.spec, state.clients, jnp.asarray(X),
+                                       0 if len(feds) > 1 else t)
+            out.append((np.asarray(mean[z]), np.asarray(var[z])))
+        se.append((out[0][0] - yr) ** 2)
         ys.append(yc)
-        ps.append(np.clip(prob, 0.0, 1.0))
+        ps.append(np.clip(np.asarray(probability(*out[1])), 0.0, 1.0))
     y, p = np.concatenate(ys), np.concatenate(ps)
     return {"accuracy": metrics.accuracy(y, p), "ece": metrics.classification_ece(y, p),
             "mse": float(np.mean(np.concatenate(se)))}
@@ -101,6 +98,20 @@ def _hyper(spec, key):
                            W=jnp.eye(len(spec.kinds), spec.num_latent) + 0.5, noise=0.1)
 
 
+def _federations(method: str, clients: Clients, seed: int, **settings) -> list:
+    spec, key = mogp.MOGPSpec(KINDS, 2), jax.random.PRNGKey(seed)
+    base = PFedMul(spec, _hyper(spec, jax.random.PRNGKey(seed)),
+                   method="pfed-mul" if method == "pfed-st" else method, **settings)
+    if method != "pfed-st":
+        return [(base, clients, key)]
+    feds = []
+    for t, kind in enumerate(KINDS):
+        spec_t = spec._replace(kinds=(kind,), num_latent=1)
+        feds.append((base.single_task(t, _hyper(spec_t, jax.random.PRNGKey(seed))),
+                     task_clients(clients, t), jax.random.fold_in(key, t)))
+    return feds
+
+
 def run(method: str = "pfed-mul", shots: int = 10, num_clients: int | None = None,
         rounds: int = 20, seed: int = 0, variant: str = "network", num_inducing: int = 10,
         server_lr: float = 0.02, fraction: float = 1.0, progress=None) -> dict:
@@ -108,38 +119,21 @@ def run(method: str = "pfed-mul", shots: int = 10, num_clients: int | None = Non
     if method not in METHODS:
         raise ValueError(f"unknown method {method!r}; choose from {METHODS}")
     num_clients = SETTINGS.get(shots, 10) if num_clients is None else num_clients
-    datas, tests = make_clients(shots, num_clients, seed)
-    base = pm.Config(spec=mogp.MOGPSpec(KINDS, 2), method="pfed-mul" if method == "pfed-st"
-                     else method, variant=variant, server_lr=server_lr, local_lr=0.02,
-                     num_inducing=num_inducing, fraction=fraction)
-    key = jax.random.PRNGKey(seed)
-    if method == "pfed-st":
-        feds = []
-        for t in range(len(KINDS)):
-            cfg = pm.single_task_config(base, t)
-            td = [pm.task_data(d, t) for d in datas]
-            h = _hyper(cfg.spec, jax.random.PRNGKey(seed))
-            feds.append((cfg, td, *pm.init(cfg, h, td, jax.random.fold_in(key, t))))
-    else:
-        h = _hyper(base.spec, jax.random.PRNGKey(seed))
-        feds = [(base, datas, *pm.init(base, h, datas, key))]
+    clients, tests = make_clients(shots, num_clients, seed)
+    feds = _federations(method, clients, seed, variant=variant, num_inducing=num_inducing,
+                        fraction=fraction, server_optimizer=optax.adam(server_lr),
+                        optimizer=optax.adam(0.02))
+    states = [m.init(k, c) for m, c, k in feds]
     curve, secs = [], []
     for r in range(rounds):
         t0 = time.perf_counter()
-        for i, (cfg, td, server, clients) in enumerate(feds):
-            server, clients, _ = pm.run_round(cfg, server, clients, td,
-                                              jax.random.fold_in(key, 1000 * i + r))
-            feds[i] = (cfg, td, server, clients)
-        jax.block_until_ready(feds[-1][2].hyper)
+        states = [m.update(s)[0] for (m, _, _), s in zip(feds, states, strict=True)]
         secs.append(time.perf_counter() - t0)
-        models = [[(f[0].spec, f[3][z], 0 if len(feds) > 1 else t)
-                   for t, f in enumerate(feds if len(feds) > 1 else feds * 2)]
-                  for z in range(num_clients)]
-        curve.append(_scores(models, tests)["accuracy"])
+        curve.append(_scores(feds, states, tests)["accuracy"])
         if progress is not None:
             progress(r)
     res = {"method": method, "shots": shots, "clients": num_clients, "seed": seed,
            "rounds": rounds, "acc_curve": curve,
            "seconds_per_round": float(np.median(secs[1:] if rounds > 1 else secs))}
-    res.update(_scores(models, tests))
+    res.update(_scores(feds, states, tests))
     return res

@@ -15,8 +15,9 @@ observation, whose settling defines "rounds to convergence".
 
 Example::
 
-    >>> res = run("pfed-mul", seed=0, rounds=10)
-    >>> res["cls_rmse"], res["rounds_to_converge"]
+    >>> res = run("pfed-mul", seed=0, rounds=2, num_clients=2, n_per_task=10, num_inducing=5)
+    >>> len(res["elbo_per_obs"]), res["cls_rmse"] > 0
+    (2, True)
 """
 
 from __future__ import annotations
@@ -27,12 +28,14 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 import numpy as np
+import optax
 
 from fedppl import metrics
-from fedppl.algorithms import pfedmul as pm
+from fedppl.clients import Clients
+from fedppl.infer.multitask_gp import PFedMul, PFedMulResult, task_clients
 from fedppl.models import mogp
 
-__all__ = ["TRUTH", "SyntheticData", "generate", "true_hyper", "run", "rounds_to_converge",
+__all__ = ["TRUTH", "SyntheticData", "generate", "true_hyper", "run", "rounds_to_convergence",
            "METHODS"]
 
 TRUTH = {"noise": 0.1, "W": [[0.6, 0.4], [0.4, 0.6]], "phi0": [1.0, 2.0], "phi1": [0.02, 0.01]}
@@ -41,7 +44,7 @@ METHODS = ("pfed-mul", "pfed-st", "gaussian-vi")
 
 
 class SyntheticData(NamedTuple):
-    datas: list       # per-client mogp.Data
+    clients: Clients  # (X, y, task) per client
     grid: np.ndarray  # (G, 1)
     f_grid: np.ndarray  # (2, G) true regression and classification functions on the grid
 
@@ -53,11 +56,11 @@ def generate(seed: int = 0, num_clients: int = 5, n_per_task: int = 40, grid_siz
     xs = [[rng.uniform(0, 100, (n_per_task, 1)) for _ in KINDS] for _ in range(num_clients)]
     allx = np.concatenate([grid] + [x for c in xs for x in c])
     g = []
-    for phi0, phi1 in zip(TRUTH["phi0"], TRUTH["phi1"]):
+    for phi0, phi1 in zip(TRUTH["phi0"], TRUTH["phi1"], strict=True):
         K = phi0 * np.exp(-0.5 * phi1 * (allx - allx.T) ** 2) + 1e-8 * np.eye(len(allx))
         g.append(np.linalg.cholesky(K) @ rng.normal(size=len(allx)))
     f = np.asarray(TRUTH["W"]) @ np.stack(g)  # (2, n_all)
-    datas, pos = [], grid_size
+    per_client, pos = [], grid_size
     for c in range(num_clients):
         ys = []
         for t, x in enumerate(xs[c]):
@@ -65,8 +68,9 @@ def generate(seed: int = 0, num_clients: int = 5, n_per_task: int = 40, grid_siz
             pos += len(x)
             ys.append(ft + np.sqrt(TRUTH["noise"]) * rng.normal(size=len(x)) if t == 0 else
                       (rng.uniform(size=len(x)) < 1 / (1 + np.exp(-ft))).astype(float))
-        datas.append(mogp.client_data(xs[c], ys, mogp.MOGPSpec(KINDS), client=c))
-    return SyntheticData(datas, grid, f[:, :grid_size])
+        per_client.append((xs[c], ys))
+    return SyntheticData(mogp.multitask_clients(per_client, mogp.MOGPSpec(KINDS)), grid,
+                         f[:, :grid_size])
 
 
 def true_hyper(spec: mogp.MOGPSpec) -> mogp.Hyper:
@@ -81,7 +85,7 @@ def single_task_hyper(spec: mogp.MOGPSpec, task: int) -> mogp.Hyper:
                            W=jnp.ones((1, 1)), noise=TRUTH["noise"])
 
 
-def rounds_to_converge(values, tol: float) -> int | None:
+def rounds_to_convergence(values, tol: float) -> int | None:
     """First round (1-based) after which the curve stays within ``tol`` of its last value;
     ``None`` if the last step still moves by more than ``tol`` (not converged)."""
     v = np.asarray(values, float)
@@ -90,20 +94,9 @@ def rounds_to_converge(values, tol: float) -> int | None:
     return metrics.rounds_to_convergence(v, tol)
 
 
-def _federation(config, hyper, datas, rounds, key):
-    """Run and record the exact ELBO (sum over clients) and seconds per round."""
-    def cb(r, server, clients):
-        return {"exact_elbo": float(sum(mogp.exact_elbo(config.spec, st.hyper, st.Z, d, st.q)
-                                        for st, d in zip(clients, datas)))}
-    return pm.run(config, hyper, datas, rounds, key, cb)
-
-
-def _grid_posterior(spec, clients, grid, task_of_model):
-    out = []
-    for st in clients:
-        m, v = mogp.predict(spec, st.hyper, st.Z, st.q, jnp.asarray(grid), task_of_model)
-        out.append((np.asarray(m), np.asarray(v)))
-    return out
+def _grid_posterior(result: PFedMulResult, grid: np.ndarray, task: int) -> list:
+    mean, var = result.predict(grid, task)
+    return [(np.asarray(m), np.asarray(v)) for m, v in zip(mean, var, strict=True)]
 
 
 def run(method: str = "pfed-mul", seed: int = 0, rounds: int = 20, num_clients: int = 5,
@@ -114,35 +107,36 @@ def run(method: str = "pfed-mul", seed: int = 0, rounds: int = 20, num_clients: 
     if method not in METHODS:
         raise ValueError(f"unknown method {method!r}; choose from {METHODS}")
     data = generate(seed, num_clients, n_per_task)
-    nobs = sum(int(d.mask.sum()) for d in data.datas)
-    base = pm.Config(spec=mogp.MOGPSpec(KINDS, 2), method="pfed-mul" if method == "pfed-st"
-                     else method, variant="all", cavi_iters=cavi_iters, server_lr=server_lr,
-                     num_inducing=num_inducing, vi_steps=vi_steps, vi_lr=vi_lr)
+    nobs = int(np.sum(data.clients.sizes))
+    spec = mogp.MOGPSpec(KINDS, 2)
+    base = PFedMul(spec, true_hyper(spec), method="pfed-mul" if method == "pfed-st" else method,
+                   variant="all", cavi_iters=cavi_iters, num_inducing=num_inducing,
+                   server_optimizer=optax.adam(server_lr), vi_steps=vi_steps,
+                   vi_optimizer=optax.adam(vi_lr))
     key = jax.random.PRNGKey(seed)
     t0 = time.perf_counter()
     if method == "pfed-st":
         post, elbo_curve, secs = [], np.zeros(rounds), np.zeros(rounds)
         for t in range(len(KINDS)):
-            cfg = pm.single_task_config(base, t)
-            datas = [pm.task_data(d, t) for d in data.datas]
-            _, clients, hist = _federation(cfg, single_task_hyper(cfg.spec, t), datas, rounds,
-                                           jax.random.fold_in(key, t))
-            post.append(_grid_posterior(cfg.spec, clients, data.grid, 0))
-            elbo_curve += np.array([h["exact_elbo"] for h in hist])
-            secs += np.array([h["seconds"] for h in hist])
+            one = base.single_task(t, single_task_hyper(spec._replace(
+                kinds=(KINDS[t],), num_latent=1), t))
+            res = one.run(jax.random.fold_in(key, t), task_clients(data.clients, t), rounds,
+                          progress_bar=False)
+            post.append(_grid_posterior(res, data.grid, 0))
+            elbo_curve += res.history["exact_elbo"]
+            secs += res.history["seconds"]
     else:
-        _, clients, hist = _federation(base, true_hyper(base.spec), data.datas, rounds, key)
-        post = [_grid_posterior(base.spec, clients, data.grid, t) for t in range(len(KINDS))]
-        elbo_curve = np.array([h["exact_elbo"] for h in hist])
-        secs = np.array([h["seconds"] for h in hist])
+        res = base.run(key, data.clients, rounds, progress_bar=False)
+        post = [_grid_posterior(res, data.grid, t) for t in range(len(KINDS))]
+        elbo_curve, secs = res.history["exact_elbo"], res.history["seconds"]
     total = time.perf_counter() - t0
-    res = {"method": method, "seed": seed, "rounds": rounds, "grid": data.grid[:, 0],
+    out = {"method": method, "seed": seed, "rounds": rounds, "grid": data.grid[:, 0],
            "f_true": data.f_grid, "post": post, "elbo_per_obs": (elbo_curve / nobs).tolist(),
            "seconds_total": total, "seconds_per_round": float(np.median(secs[1:] if rounds > 1
                                                                         else secs))}
     for t, name in enumerate(("reg", "cls")):
-        res[f"{name}_rmse"] = float(np.mean([np.sqrt(np.mean((m - data.f_grid[t]) ** 2))
+        out[f"{name}_rmse"] = float(np.mean([np.sqrt(np.mean((m - data.f_grid[t]) ** 2))
                                              for m, _ in post[t]]))
-        res[f"{name}_var"] = float(np.mean([np.mean(v) for _, v in post[t]]))
-    res["rounds_to_converge"] = rounds_to_converge(res["elbo_per_obs"], tol)
-    return res
+        out[f"{name}_var"] = float(np.mean([np.mean(v) for _, v in post[t]]))
+    out["rounds_to_convergence"] = rounds_to_convergence(out["elbo_per_obs"], tol)
+    return out

@@ -6,11 +6,11 @@ import os
 # thread is what the test sizes want. Must be set before numpy loads OpenBLAS.
 os.environ.setdefault("OPENBLAS_NUM_THREADS", "1")
 
-import jax  # noqa: E402
-import numpy as np  # noqa: E402
-import numpyro  # noqa: E402
-import numpyro.distributions as dist  # noqa: E402
-import pytest  # noqa: E402
+import jax
+import numpy as np
+import numpyro
+import numpyro.distributions as dist
+import pytest
 
 jax.config.update("jax_enable_x64", True)
 # Long jobs on a busy 2-core machine deadlocked a few times under asynchronous CPU dispatch

@@ -12,8 +12,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
-from numpyro.infer import SVI, Trace_ELBO
-from numpyro.infer import init_to_median, init_to_value
+from numpyro.infer import SVI, Trace_ELBO, init_to_median, init_to_value
 from numpyro.infer.autoguide import AutoMultivariateNormal, AutoNormal
 
 

@@ -146,7 +146,7 @@ def logistic_case():
 
 
 def test_logistic_random_intercepts_reach_pooled_vi(logistic_case):
-    parts, clients, res = logistic_case
+    parts, _, res = logistic_case
     ref = fedppl.GlobalVI(logistic_intercepts,
                           PVIGuide(logistic_intercepts, global_sites=["mu", "tau", "w"],
                                    family="fullrank")).run(jax.random.key(0), pooled(parts),
@@ -190,7 +190,7 @@ def test_local_site_shapes_must_agree():
             numpyro.sample("y", dist.Normal(a[gid], 1.0), obs=y)
 
     guide = PVIGuide(by_rows, global_sites=["mu"])
-    with pytest.raises(ValueError, match="local site 'a' has shape .* for client 1"):
+    with pytest.raises(ValueError, match=r"local site 'a' has shape .* for client 1"):
         fedppl.PVI(by_rows, guide).run(jax.random.key(0), fedppl.Clients.from_list(parts), 1,
                                        progress_bar=False)
 

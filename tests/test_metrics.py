@@ -108,7 +108,8 @@ def test_accuracy_binary_and_multiclass():
     y = np.array([1, 0, 0, 1, 1])
     prob = np.array([0.9, 0.2, 0.6, 0.5, 0.4])  # predictions 1, 0, 1, 1, 0
     assert metrics.accuracy(y, prob) == pytest.approx(3 / 5)
-    assert metrics.accuracy(jnp.asarray(y, dtype=jnp.float32), jnp.asarray(prob)) == pytest.approx(0.6)
+    assert (metrics.accuracy(jnp.asarray(y, dtype=jnp.float32), jnp.asarray(prob))
+            == pytest.approx(0.6))
     P = np.array([[0.7, 0.2, 0.1], [0.1, 0.3, 0.6], [0.2, 0.5, 0.3], [0.4, 0.4, 0.2]])
     assert metrics.accuracy([0, 2, 0, 1], P) == pytest.approx(2 / 4)  # last row argmax -> 0
     # a two-column matrix agrees with the binary form
@@ -171,7 +172,8 @@ def test_reliability_diagram_bins_and_drawing():
      "y has 3 entries but var has 2"),
     (lambda: metrics.gaussian_log_likelihood(np.zeros(3), np.zeros(3), [1.0, 0.0, 1.0]),
      "var must be positive"),
-    (lambda: metrics.regression_calibration(np.zeros(3), np.zeros(3), -1.0), "var must be positive"),
+    (lambda: metrics.regression_calibration(np.zeros(3), np.zeros(3), -1.0),
+     "var must be positive"),
     (lambda: metrics.unstandardise(np.zeros(3), -np.ones(3), 0.0, 1.0), "var must be positive"),
     (lambda: metrics.unstandardise(np.zeros(3), np.ones(3), 0.0, 0.0), "y_std must be positive"),
     (lambda: metrics.rmse([1.0, np.nan], [0.0, 0.0]), "y contains NaN or inf"),

@@ -58,9 +58,8 @@ def multi_output(X, Y=None):
     cov = jnp.array([[1.0, 0.6], [0.6, 1.0]])
     W = numpyro.sample("W", dist.MultivariateNormal(jnp.zeros(2), cov).expand([X.shape[1]])
                        .to_event(1))
-    with numpyro.plate("data", X.shape[0], dim=-2):
-        with numpyro.plate("outputs", 2, dim=-1):
-            numpyro.sample("Y", dist.Normal(X @ W, NOISE), obs=Y)
+    with numpyro.plate("data", X.shape[0], dim=-2), numpyro.plate("outputs", 2, dim=-1):
+        numpyro.sample("Y", dist.Normal(X @ W, NOISE), obs=Y)
 
 
 def test_nested_plates_and_multivariate_prior():
@@ -123,7 +122,7 @@ def test_discrete_and_unbijectable_sites_are_named():
         with numpyro.plate("data", X.shape[0]):
             numpyro.sample("y", dist.Normal(k, 1.0), obs=y)
 
-    with pytest.raises(ValueError, match="latent site 'k' is discrete.*[Mm]arginalise"):
+    with pytest.raises(ValueError, match=r"latent site 'k' is discrete.*[Mm]arginalise"):
         fedppl.PVI(discrete, PVIGuide(discrete)).run(jax.random.key(0), clients, 1,
                                                      progress_bar=False)
 
@@ -132,6 +131,6 @@ def test_discrete_and_unbijectable_sites_are_named():
         with numpyro.plate("data", X.shape[0]):
             numpyro.sample("y", dist.Normal(u[0], 1.0), obs=y)
 
-    with pytest.raises(ValueError, match="latent site 'u' has support .*no biject_to"):
+    with pytest.raises(ValueError, match=r"latent site 'u' has support .*no biject_to"):
         fedppl.PVI(on_sphere, PVIGuide(on_sphere)).run(jax.random.key(0), clients, 1,
                                                        progress_bar=False)

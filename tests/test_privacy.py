@@ -1,5 +1,6 @@
 from __future__ import annotations
 
+import itertools
 import math
 
 import dp_accounting
@@ -270,7 +271,7 @@ def test_fresh_releases_compose_and_grow_monotonically():
         acc.record(sigma)
         eps.append(acc.epsilon(1e-5))
     assert acc.count == 6 and acc.num_mechanisms == 6
-    assert all(b > a for a, b in zip(eps, eps[1:]))
+    assert all(b > a for a, b in itertools.pairwise(eps))
     # k Gaussian mechanisms compose exactly to one with multiplier sigma / sqrt(k)
     assert eps[-1] == pytest.approx(
         dp_accounting.get_epsilon_gaussian(sigma / math.sqrt(6), 1e-5), rel=1e-2)

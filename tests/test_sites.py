@@ -122,7 +122,7 @@ def test_classify_refuses_discrete_sites_and_per_datum_locals():
     def discrete(X):
         numpyro.sample("z", dist.Bernoulli(0.5))
 
-    with pytest.raises(ValueError, match="'z' is discrete.*[Mm]arginalise"):
+    with pytest.raises(ValueError, match=r"'z' is discrete.*[Mm]arginalise"):
         classify(discrete, (np.zeros(3),), {}, None, None)
 
     def per_datum(X, y=None):

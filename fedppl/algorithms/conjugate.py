@@ -1,8 +1,8 @@
 """The conjugate case: a Gaussian likelihood whose mean is affine in the global sites.
 
-When every observed site is ``Normal(loc(theta), scale)`` with ``loc`` affine in ``theta``, ``scale``
-free of ``theta``, and every global site real-valued, client k's likelihood is exactly a Gaussian
-factor in ``theta``:
+When every observed site is ``Normal(loc(theta), scale)`` with ``loc`` affine in ``theta``,
+``scale`` free of ``theta``, and every global site real-valued, client k's likelihood is exactly
+a Gaussian factor in ``theta``:
 
     log p(y_k | theta) = -1/2 sum_n w_n / s_n^2 (r_n - J_n theta)^2 + const,   r = y - loc(0),
 
@@ -19,7 +19,8 @@ Example::
 
 from __future__ import annotations
 
-from typing import Any, Callable, NamedTuple
+from collections.abc import Callable
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -131,7 +132,9 @@ def _normal_observations(model: Callable, layout: SiteLayout, theta: Array, args
     if not locs:
         raise NotConjugate("the model has no observed sites")
     # in the layout's dtype: a scale of Python floats is float64 under x64 once concatenated
-    return tuple(jnp.concatenate(p).astype(layout.dtype) for p in (locs, scales, ys, weights))
+    loc, scale, y, weight = (jnp.concatenate(p).astype(layout.dtype)
+                             for p in (locs, scales, ys, weights))
+    return loc, scale, y, weight
 
 
 def likelihood_terms(model: Callable, layout: SiteLayout, *args: Any, **kwargs: Any

@@ -13,12 +13,13 @@ computation VI / the Bayesian learning rule). A Gaussian likelihood affine in ``
 in one step; a log-concave one converges like Newton's method.
 
 The expectations use ``S`` fixed base draws ``eps`` (antithetic pairs ``+-eps``, whitened to an
-exact identity second moment, ``theta = m + L eps``), the same for every client and every round. The local problem is then one deterministic
-function of ``q``, so the local step can be *solved* to a tolerance, and no optimiser noise ends up
-in the factor ``t_k = q_k / q_cav``. Because ``lambda_lik`` is a sum over data points, the fixed
-point of PVI with this step is exactly the fixed point of the same iteration on the pooled data
-(:class:`fedppl.GlobalVI` with the same draws): clients split the sum, nothing else changes. The
-KL to the cavity is never estimated: it enters in closed form through ``lambda_cav``.
+exact identity second moment, ``theta = m + L eps``), the same for every client and every round. The
+local problem is then one deterministic function of ``q``, so the local step can be *solved* to a
+tolerance, and no optimiser noise ends up in the factor ``t_k = q_k / q_cav``. Because
+``lambda_lik`` is a sum over data points, the fixed point of PVI with this step is exactly the fixed
+point of the same iteration on the pooled data (:class:`fedppl.GlobalVI` with the same draws):
+clients split the sum, nothing else changes. The KL to the cavity is never estimated: it enters in
+closed form through ``lambda_cav``.
 
 Each iteration takes the largest step in ``beta, beta/2, ..., beta/2^10`` whose precision is
 positive definite and which does not lower the local objective ``E_q[log p] - KL(q || q_cav)``
@@ -58,7 +59,8 @@ Example::
 
 from __future__ import annotations
 
-from typing import Callable, NamedTuple
+from collections.abc import Callable
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -101,7 +103,7 @@ def base_draws(num_draws: int, dim: int, dtype, seed: int = 0) -> Array:
     """
     # drawn in float32 whatever the dtype, so that float32 and float64 runs share their draws
     half = jax.random.normal(jax.random.key(seed), (num_draws // 2, dim), jnp.float32)
-    half = half.astype(jnp.float64 if jax.config.jax_enable_x64 else jnp.float32)
+    half = half.astype(jnp.float64 if jax.config.read("jax_enable_x64") else jnp.float32)
     if num_draws // 2 > dim:
         chol = jnp.linalg.cholesky(half.T @ half / (num_draws // 2))
         half = jax.scipy.linalg.solve_triangular(chol, half.T, lower=True).T
@@ -123,7 +125,7 @@ def log_lik_fn(model: Callable, guide: PVIGuide, data: tuple, mask: Array
     free energy. Kept in, its prior term would inform the group scale through the Gaussian
     approximation of an integral that is 1 (each such group shrinks the variance of log tau).
     """
-    layout, loc = guide.layout, guide.local_layout
+    layout, loc = guide._require_setup(), guide.local_layout
     D = layout.dim
     data = cast_floats(data, layout.dtype)  # float32 data meet a float32 theta, not float64
 
@@ -131,8 +133,10 @@ def log_lik_fn(model: Callable, guide: PVIGuide, data: tuple, mask: Array
         return client(model, mask=mask, draw=seed)
 
     if loc is None:
-        return lambda phi, seed=0: _observed(_trace(scoped(seed), layout.constrain(phi), data),
-                                             layout.dtype)
+        def global_only(phi: Array, seed: Array | int = 0) -> Array:
+            return _observed(_trace(scoped(seed), layout.constrain(phi), data), layout.dtype)
+
+        return global_only
 
     def trace(phi, seed):
         values = layout.constrain(phi[:D])
@@ -146,9 +150,10 @@ def log_lik_fn(model: Callable, guide: PVIGuide, data: tuple, mask: Array
     d, dtype = loc.dim, layout.dtype
     probe = [jnp.concatenate([jnp.full(D, c, dtype), c + 0.05 * jnp.arange(d, dtype=dtype)])
              for c in (0.1, -0.3)]
-    touched = sum(jnp.abs(jax.grad(observed)(p, 0)[D:]) for p in probe) > 0
+    grads = [jnp.abs(jax.grad(observed)(p, 0)[D:]) for p in probe]
+    touched = sum(grads[1:], grads[0]) > 0
 
-    def log_lik(phi: Array, seed: Array = 0) -> Array:
+    def log_lik(phi: Array, seed: Array | int = 0) -> Array:
         tr = trace(phi, seed)
         total = _observed(tr, dtype)
         z = phi[D:]
@@ -236,7 +241,7 @@ class NaturalGradientSolver(NamedTuple):
         """``extra`` as a term over ``phi`` with its curvature estimator, or None."""
         if self.extra is None:
             return None
-        D = self.guide.layout.dim
+        D = self.guide._require_setup().dim
         return (lambda phi, seed=0: self.extra(phi[:D]), self.hessian)
 
     def log_lik(self, data: tuple, mask: Array) -> Callable[[Array, Array], Array]:
@@ -295,7 +300,7 @@ class PriorSolver(NamedTuple):
     seed: int = 0
     hessian: str = "pointwise"
 
-    def _log_lik(self, theta: Array, seed: Array = 0) -> Array:
+    def _log_lik(self, theta: Array, seed: Array | int = 0) -> Array:
         return self.correction(theta)
 
     def __call__(self, q_cavity, q, data, mask, rng_key) -> LocalResult:
@@ -421,10 +426,7 @@ def _corrected_steps(q: g.Gaussian, aim: g.Gaussian, steps: Array) -> tuple[Arra
     mean, cov = g.to_moments(q)
     G = aim.prec - q.prec
     r = aim.nat1 - (aim.prec * mean if isinstance(q, g.DiagGaussian) else aim.prec @ mean)
-    if isinstance(q, g.DiagGaussian):
-        quad = G * cov * G
-    else:
-        quad = G @ cov @ G
+    quad = G * cov * G if isinstance(q, g.DiagGaussian) else G @ cov @ G
 
     def one(b):
         prec = q.prec + b * G + 0.5 * b**2 * quad
@@ -457,9 +459,8 @@ def target(terms, q_cavity: g.Gaussian, q: g.Gaussian, eps: Array, structure: Ar
     if callable(terms):
         terms = ((terms, "pointwise"),)
     mean, theta = _draws(q, eps)
-    eg, eh = 0.0, 0.0
-    for fn, kind in terms:
-        g_k, h_k = _expected_derivatives(fn, kind, q, eps, theta)
+    (eg, eh), *rest = [_expected_derivatives(fn, kind, q, eps, theta) for fn, kind in terms]
+    for g_k, h_k in rest:
         eg, eh = eg + g_k, eh + h_k
     eh = 0.5 * (eh + eh.T)
     if isinstance(q, g.FullGaussian) and structure is None:

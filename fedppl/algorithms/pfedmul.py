@@ -1,38 +1,54 @@
-"""pFed-Mul: federated multi-task GPs with Polya-Gamma CAVI on clients (Alg. 1-2, Eq. 5).
+"""pFed-Mul as a trio: federated multi-task GPs with Polya-Gamma CAVI on the clients (Alg. 1-2).
 
-One round (``run_round``):
+The front is :class:`fedppl.infer.multitask_gp.PFedMul`; this module holds the pure pieces the
+embedded runtime drives (:func:`make_trio`), one round of which is:
 
-1. the server samples a fraction of the clients and sends them the global hyperparameters;
-2. each sampled client overwrites the global groups of its personal copy of Theta, runs
-   ``cavi_iters`` closed-form iterations ``q(omega) <- PG(1, sqrt(E f^2))``,
-   ``q(u) <- N(m, S)`` (Eq. 3, App. C) from its previous ``q`` (warm start; prior at round 0),
-   refreshes ``q(omega)`` once more, sets its *local* noise in closed form (Eq. 20) and takes
-   ``local_steps`` Adam steps on its own ELBO for its other *local* hyperparameter groups;
-3. it replies with a :class:`Message`: its ELBO value, the gradient of its ELBO w.r.t. Theta at
-   the fixed ``q`` (zero outside the global groups) and, if the noise is global, the Eq. 20
-   sufficient statistics ``(sum E[(y - f)^2], count)`` per task. No data, no inducing inputs;
+1. the server broadcasts the global hyperparameter groups of Theta (:class:`ServerState`);
+2. each client taking part overwrites the global groups of its personal copy of Theta, runs
+   ``cavi_iters`` closed-form sweeps ``q(omega) <- PG(1, sqrt(E f^2))``, ``q(u) <- N(m, S)``
+   (Eq. 3, App. C) from its previous ``q`` (warm start; the prior at the first round), refreshes
+   ``q(omega)`` once more, sets a *local* noise in closed form (Eq. 20) and takes ``local_steps``
+   steps of its optimiser on its own ELBO for its other *local* groups;
+3. it sends a :class:`Message`: its ELBO, the gradient of its ELBO w.r.t. Theta at the fixed
+   ``q`` (zero outside the global groups) and, if the noise is global, the Eq. 20 sufficient
+   statistics ``(sum E[(y - f)^2], count)`` per task. No data and no inducing inputs leave it;
 4. the server drops non-finite messages, averages the accepted gradients with equal weights
-   (the averaged ELBO of Eq. 5) and takes one Adam ascent step; a global noise is set in closed
-   form from the pooled statistics (the maximiser of the averaged ELBO in ``sigma^2``).
+   (the averaged ELBO of Eq. 5) and takes one step of its optimiser uphill; a global noise is
+   set in closed form from the pooled statistics. Its reply to each client is whether it
+   accepted the message; a client whose message was refused (or that sat the round out) keeps
+   its previous state.
 
 Personalisation (Table 2): ``variant`` names the global groups -- "network" (deep-kernel MLP),
-"kernel" (+ kernel phi), "kernel+W" (+ mixing weights), "all" (+ noise). ``fixed`` groups are never
-trained. ``method="gaussian-vi"`` replaces CAVI by ``vi_steps`` Adam steps on a Monte Carlo ELBO
-of the exact logistic likelihood with a full Gaussian ``q(u)``. pFed-St is the same algorithm
-on one task at a time with ``num_latent=1`` and ``W = 1`` fixed (:func:`single_task_config`).
+"kernel" (+ kernel phi), "kernel+W" (+ mixing weights), "all" (+ noise); ``fixed`` groups are never
+trained. ``method="gaussian-vi"`` replaces CAVI by ``vi_steps`` optimiser steps on a Monte Carlo
+ELBO of the exact logistic likelihood with a full Gaussian ``q(u)``. pFed-St is the same
+algorithm on one task at a time with ``num_latent=1`` and ``W = 1`` fixed
+(:func:`single_task_config`).
 
-Example::
+Example (two clients, one synchronous round by hand)::
 
-    >>> cfg = Config(spec=MOGPSpec(("regression", "classification")), variant="all")
-    >>> server, clients = init(cfg, hyper0, datas, jax.random.PRNGKey(0))
-    >>> for r in range(20):
-    ...     server, clients, info = run_round(cfg, server, clients, datas, jax.random.PRNGKey(r))
+    >>> import jax, jax.numpy as jnp, numpy as np
+    >>> spec = mogp.MOGPSpec(("regression", "classification"), num_latent=1)
+    >>> hyper = mogp.init_hyper(spec, 1, W=jnp.ones((2, 1)))
+    >>> X = jnp.linspace(0.0, 5.0, 8)[:, None]
+    >>> data = (jnp.stack([X, X]), jnp.asarray([[0.1, 0.3, 0.2, 0.5, 1, 0, 1, 1.0]] * 2),
+    ...         jnp.asarray([[0, 0, 0, 0, 1, 1, 1, 1]] * 2))
+    >>> masks = jnp.ones((2, 8), bool)
+    >>> config = Config(spec)
+    >>> server, clients = init_server(config, hyper), init_clients(config, hyper, data[0][:, :4], 8)
+    >>> trio = make_trio(config)
+    >>> msgs, proposed = jax.vmap(trio.client_update, (None, 0, 0, 0, 0, 0))(
+    ...     server, clients, data, masks, jax.random.split(jax.random.PRNGKey(0), 2), jnp.arange(2))
+    >>> server, accepted = trio.server_update(server, msgs, jnp.arange(2), jnp.ones(2, bool), None,
+    ...                                       None)
+    >>> np.asarray(accepted).tolist(), msgs.elbo.shape
+    ([True, True], (2,))
 """
 
 from __future__ import annotations
 
-import time
-from typing import Any, Callable, NamedTuple, Sequence
+from collections.abc import Callable, Sequence
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -40,33 +56,42 @@ import numpy as np
 import optax
 from jax import Array
 
+from fedppl.algorithms.fedavg import all_finite
+from fedppl.algorithms.trio import Trio
 from fedppl.models import mogp
 from fedppl.models.mogp import QU, Data, Hyper, MOGPSpec
 
-__all__ = ["Config", "ClientState", "ServerState", "Message", "VARIANTS", "init", "init_client",
-           "local_cavi", "client_update", "server_update", "sample_clients", "run_round", "run",
-           "single_task_config", "task_data", "group_mask"]
+__all__ = ["Config", "ClientState", "ServerState", "Message", "VIParams", "VARIANTS", "GROUPS",
+           "METHODS", "make_trio", "init_server", "init_clients", "local_cavi", "client_step",
+           "server_step", "sample_clients", "round_keys", "single_task_config", "group_mask",
+           "groups"]
 
 VARIANTS = {"network": ("network",), "kernel": ("network", "kernel"),
             "kernel+W": ("network", "kernel", "W"), "all": ("network", "kernel", "W", "noise")}
+GROUPS = ("network", "kernel", "W", "noise")
+METHODS = ("pfed-mul", "gaussian-vi")
 _GROUP = {"net": "network", "log_phi0": "kernel", "log_phi1": "kernel", "W": "W",
           "log_noise": "noise"}
 
 
 class Config(NamedTuple):
+    """The algorithm's static settings (hashable: the trio is compiled once per config).
+
+    ``optimizer`` takes the clients' local hyperparameter steps, ``server_optimizer`` the
+    server's ascent step on the averaged ELBO, ``vi_optimizer`` the Gaussian-VI steps on q(u).
+    """
+
     spec: MOGPSpec
-    method: str = "pfed-mul"          # "pfed-mul" | "gaussian-vi"
-    variant: str = "all"              # key of VARIANTS
-    fixed: tuple[str, ...] = ()       # groups never trained
+    method: str = "pfed-mul"
+    variant: str = "all"
+    fixed: tuple[str, ...] = ()
     cavi_iters: int = 2
-    server_lr: float = 0.01
-    local_lr: float = 0.01
     local_steps: int = 1
-    fraction: float = 1.0
-    num_inducing: int = 20
     vi_steps: int = 2
-    vi_lr: float = 0.05
     vi_samples: int = 8
+    optimizer: optax.GradientTransformation = optax.adam(1e-2)
+    server_optimizer: optax.GradientTransformation = optax.adam(1e-2)
+    vi_optimizer: optax.GradientTransformation = optax.adam(5e-2)
 
 
 class VIParams(NamedTuple):
@@ -75,22 +100,25 @@ class VIParams(NamedTuple):
 
 
 class ClientState(NamedTuple):
-    Z: Array            # inducing inputs: stays on the client
+    """What a client keeps between rounds (stacked on the client axis by the runtime)."""
+
+    Z: Array            # inducing inputs: never leave the client
     hyper: Hyper        # personal copy of Theta (global groups overwritten every round)
     q: QU
-    c: Array            # q(omega_n) = PG(1, c_n)
-    opt: Any            # Adam state of the local hyperparameter groups
+    c: Array            # q(omega_n) = PG(1, c_n), one per (padded) row
+    opt: Any            # optimiser state of the local hyperparameter groups
     vi: VIParams        # Gaussian-VI parameters (unused by pFed-Mul)
     vi_opt: Any
 
 
 class ServerState(NamedTuple):
-    hyper: Hyper
-    opt: Any
-    round: int
+    hyper: Hyper        # the global Theta (only its global groups matter to the clients)
+    opt: Any            # the server optimiser's state
 
 
 class Message(NamedTuple):
+    """All that leaves a client in a round: O(#hyperparameters) numbers."""
+
     elbo: Array         # the client's ELBO at the fixed q
     grad: Hyper         # d ELBO / d Theta, zero outside the global groups
     noise_sum: Array    # (T,) sum E[(y - f)^2] per regression task (zeros if noise is local)
@@ -98,40 +126,62 @@ class Message(NamedTuple):
     num_obs: Array
 
 
-def group_mask(hyper: Hyper, groups: Sequence[str]) -> Hyper:
-    """A pytree like ``hyper`` with 1.0 on the leaves whose group is in ``groups``, else 0.0."""
+# -- hyperparameter groups ----------------------------------------------------------------------
+
+
+def group_mask(hyper: Hyper, names: Sequence[str]) -> Hyper:
+    """A pytree like ``hyper`` with 1.0 on the leaves whose group is in ``names``, else 0.0."""
     parts = {name: jax.tree_util.tree_map(
-        lambda x, on=_GROUP[name] in groups: jnp.full_like(x, float(on)), getattr(hyper, name))
+        lambda x, on=_GROUP[name] in names: jnp.full_like(x, float(on)), getattr(hyper, name))
         for name in Hyper._fields}
     return Hyper(**parts)
 
 
-def _groups(config: Config) -> tuple[tuple[str, ...], tuple[str, ...]]:
+def groups(config: Config) -> tuple[tuple[str, ...], tuple[str, ...]]:
+    """``(global, local)`` hyperparameter groups of the config's variant."""
     if config.variant not in VARIANTS:
         raise ValueError(f"unknown variant {config.variant!r}; choose from {list(VARIANTS)}")
     glob = VARIANTS[config.variant]
-    local = tuple(g for g in ("network", "kernel", "W", "noise") if g not in glob)
-    return glob, local
+    return glob, tuple(g for g in GROUPS if g not in glob)
 
 
 def _merge(mask: Hyper, a: Hyper, b: Hyper) -> Hyper:
     return jax.tree_util.tree_map(lambda m, x, y: jnp.where(m > 0, x, y), mask, a, b)
 
 
+def _closed_form_noise(sums: Array, counts: Array, log_noise: Array) -> Array:
+    """Eq. 20: ``log(sum / count)`` per task with regression rows, else unchanged."""
+    return jnp.where(counts > 0, jnp.log(jnp.maximum(sums, 1e-12) / jnp.maximum(counts, 1)),
+                     log_noise)
+
+
+# -- the client's local problem -----------------------------------------------------------------
+
+
 def _vi_q(spec: MOGPSpec, hyper: Hyper, Z: Array, vi: VIParams) -> QU:
     """Whitened parameterisation: ``u = L_K v``, ``q(v) = N(mean, R R^T)``."""
     R = jnp.tril(vi.tril, -1) + jnp.diag(jnp.exp(jnp.diag(vi.tril)))
-    K, _ = mogp._kzz_chol(spec, hyper, mogp.mlp_apply(hyper.net, Z))
+    K, _ = mogp._kzz_chol(spec, hyper, hyper.net(Z))
     Lk = jnp.linalg.cholesky(jax.scipy.linalg.block_diag(*K))
     LR = Lk @ R
     return QU(Lk @ vi.mean, LR @ LR.T)
+
+
+def _row_normals(key: Array, samples: int, mask: Array) -> Array:
+    """Standard normal draws ``(samples, N)``. On the real rows (the first ``sum(mask)``;
+    padding comes last) they are exactly the draw ``normal(key, (samples, N_k))`` of the
+    unpadded client, so a client's draws do not depend on how far it was padded."""
+    n_real = jnp.sum(mask)
+    flat = jax.random.normal(key, (samples * mask.shape[0],))
+    rows = jnp.minimum(jnp.arange(mask.shape[0]), n_real - 1)
+    return flat[jnp.arange(samples)[:, None] * n_real + rows[None, :]]
 
 
 def _mc_elbo(spec: MOGPSpec, hyper: Hyper, Z: Array, data: Data, q: QU, key: Array,
              samples: int) -> Array:
     """Non-augmented ELBO: exact Gaussian term, Monte Carlo logistic term (reparameterised)."""
     m, v = mogp.marginals(spec, hyper, Z, data.X, data.task, q)
-    f = m + jnp.sqrt(v) * jax.random.normal(key, (samples, m.shape[0]))
+    f = m + jnp.sqrt(v) * _row_normals(key, samples, data.mask)
     cls = jnp.mean(jax.nn.log_sigmoid((2.0 * data.y - 1.0) * f), 0)
     s2 = jnp.exp(hyper.log_noise)[data.task]
     reg = -0.5 * jnp.log(2 * jnp.pi * s2) - (data.y**2 - 2 * data.y * m + m**2 + v) / (2 * s2)
@@ -143,42 +193,41 @@ def _mc_elbo(spec: MOGPSpec, hyper: Hyper, Z: Array, data: Data, q: QU, key: Arr
 def local_cavi(spec: MOGPSpec, hyper: Hyper, Z: Array, data: Data, q: QU, iters: int,
                trace: bool = False) -> tuple[QU, Array, list]:
     """``iters`` x (q(omega) update, q(u) update), then a final q(omega) update. With
-    ``trace=True`` also returns the ELBO after every half-step (for monotonicity checks)."""
-    elbos = []
+    ``trace=True`` (eager) also returns the ELBO after every half-step (monotonicity checks)."""
     c = mogp.update_c(spec, hyper, Z, data, q)
     if not trace:
         def body(_, qc):
             q = mogp.cavi_qu(spec, hyper, Z, data, qc[1])
             return q, mogp.update_c(spec, hyper, Z, data, q)
         q, c = jax.lax.fori_loop(0, iters, body, (q, c))
-        return q, c, elbos
+        return q, c, []
+    elbos = []
     for _ in range(iters):
-        if trace:
-            elbos.append(mogp.elbo(spec, hyper, Z, data, q, c))
-        q = mogp.cavi_qu(spec, hyper, Z, data, c)
-        if trace:
-            elbos.append(mogp.elbo(spec, hyper, Z, data, q, c))
-        c = mogp.update_c(spec, hyper, Z, data, q)
-    if trace:
         elbos.append(mogp.elbo(spec, hyper, Z, data, q, c))
+        q = mogp.cavi_qu(spec, hyper, Z, data, c)
+        elbos.append(mogp.elbo(spec, hyper, Z, data, q, c))
+        c = mogp.update_c(spec, hyper, Z, data, q)
+    elbos.append(mogp.elbo(spec, hyper, Z, data, q, c))
     return q, c, elbos
 
 
-def init_client(config: Config, hyper: Hyper, data: Data, key: Array) -> ClientState:
-    """Inducing inputs from the client's own inputs, ``q(u)`` = prior, ``c = 0``."""
-    Z = mogp.sample_inducing(key, data, config.num_inducing)
-    q = mogp.prior_qu(config.spec, hyper, Z)
-    vi = VIParams(jnp.zeros_like(q.mean), jnp.zeros_like(q.cov))
-    return ClientState(Z, hyper, q, jnp.zeros(data.y.shape), optax.adam(config.local_lr).init(
-        hyper), vi, optax.adam(config.vi_lr).init(vi))
+def _descend(loss: Callable[[Any, Array], Array], params: Any,
+             optimizer: optax.GradientTransformation, keys: Array, opt_state: Any
+             ) -> tuple[Any, Any]:
+    """Steps of ``optimizer`` on ``loss(params, key)``, one per key, continuing ``opt_state``;
+    returns the parameters and the optimiser state (carried to the next round).
 
+    The numerics of :func:`fedppl.algorithms.optimise.minimise`, which does not yet hand back
+    its final optimiser state; pFed-Mul's optimisers keep their state across rounds."""
 
-def init(config: Config, hyper: Hyper, datas: Sequence[Data], key: Array
-         ) -> tuple[ServerState, list[ClientState]]:
-    _groups(config)
-    keys = jax.random.split(key, len(datas))
-    clients = [init_client(config, hyper, d, k) for d, k in zip(datas, keys)]
-    return ServerState(hyper, optax.adam(config.server_lr).init(hyper), 0), clients
+    def step(carry, key):
+        p, state = carry
+        grads = jax.grad(loss)(p, key)
+        updates, state = optimizer.update(grads, state, p)
+        return (optax.apply_updates(p, updates), state), None
+
+    (params, opt_state), _ = jax.lax.scan(step, (params, opt_state), keys)
+    return params, opt_state
 
 
 def _objective(config: Config, Z: Array, data: Data, q: QU, c: Array, key: Array
@@ -195,42 +244,45 @@ def _fit_q(config: Config, hyper: Hyper, st: ClientState, data: Data, key: Array
         q, c, _ = local_cavi(spec, hyper, st.Z, data, st.q, config.cavi_iters)
         return q, c, st.vi, st.vi_opt
     if config.method != "gaussian-vi":
-        raise ValueError(f"unknown method {config.method!r}")
-    opt = optax.adam(config.vi_lr)
+        raise ValueError(f"unknown method {config.method!r}; choose from {METHODS}")
 
-    def step(carry, k):
-        vi, os = carry
-        g = jax.grad(lambda p: -_mc_elbo(spec, hyper, st.Z, data,
-                                         _vi_q(spec, hyper, st.Z, p), k, config.vi_samples))(vi)
-        upd, os = opt.update(g, os, vi)
-        return (optax.apply_updates(vi, upd), os), None
+    def loss(vi: VIParams, k: Array) -> Array:
+        return -_mc_elbo(spec, hyper, st.Z, data, _vi_q(spec, hyper, st.Z, vi), k,
+                         config.vi_samples)
 
-    (vi, vi_opt), _ = jax.lax.scan(step, (st.vi, st.vi_opt), jax.random.split(key,
-                                                                             config.vi_steps))
+    vi, vi_opt = _descend(loss, st.vi, config.vi_optimizer,
+                          jax.random.split(key, config.vi_steps), st.vi_opt)
     q = _vi_q(spec, hyper, st.Z, vi)
     return q, mogp.update_c(spec, hyper, st.Z, data, q), vi, vi_opt
 
 
-def _client_update(config: Config, server_hyper: Hyper, st: ClientState, data: Data,
-                   key: Array) -> tuple[ClientState, Message]:
-    spec, (glob, local) = config.spec, _groups(config)
+def _local_steps(config: Config, hyper: Hyper, st: ClientState, data: Data, q: QU, c: Array,
+                 key: Array, local: tuple[str, ...]) -> tuple[Hyper, Any]:
+    """``local_steps`` optimiser steps on the client's ELBO for its trainable local groups."""
+    train = [g for g in local if g not in config.fixed and g != "noise"]
+    if not train or config.local_steps == 0:
+        return hyper, st.opt
+    lmask = group_mask(hyper, train)
+
+    def loss(h: Hyper, k: Array) -> Array:
+        h = _merge(lmask, h, jax.lax.stop_gradient(h))  # gradient only in the local groups
+        return -_objective(config, st.Z, data, q, c, k)(h)
+
+    return _descend(loss, hyper, config.optimizer, jax.random.split(key, config.local_steps),
+                    st.opt)
+
+
+def client_step(config: Config, server_hyper: Hyper, st: ClientState, data: Data, key: Array
+                ) -> tuple[ClientState, Message]:
+    """Local CAVI (or Gaussian VI) and local hyperparameters; the new state and the message."""
+    spec, (glob, local) = config.spec, groups(config)
     hyper = _merge(group_mask(st.hyper, glob), server_hyper, st.hyper)
     kq, kh, km = jax.random.split(key, 3)
     q, c, vi, vi_opt = _fit_q(config, hyper, st, data, kq)
     sums, counts = mogp.noise_stats(spec, hyper, st.Z, data, q)
     if "noise" in local and "noise" not in config.fixed:
-        hyper = hyper._replace(log_noise=jnp.where(
-            counts > 0, jnp.log(jnp.maximum(sums, 1e-12) / jnp.maximum(counts, 1)),
-            hyper.log_noise))
-    train_local = [g for g in local if g not in config.fixed and g != "noise"]
-    opt_state = st.opt
-    if train_local and config.local_steps > 0:
-        lmask, opt = group_mask(hyper, train_local), optax.adam(config.local_lr)
-        for k in jax.random.split(kh, config.local_steps):
-            g = jax.grad(_objective(config, st.Z, data, q, c, k))(hyper)
-            g = jax.tree_util.tree_map(lambda a, m: -a * m, g, lmask)
-            upd, opt_state = opt.update(g, opt_state, hyper)
-            hyper = optax.apply_updates(hyper, upd)
+        hyper = hyper._replace(log_noise=_closed_form_noise(sums, counts, hyper.log_noise))
+    hyper, opt_state = _local_steps(config, hyper, st, data, q, c, kh, local)
     value, grad = jax.value_and_grad(_objective(config, st.Z, data, q, c, km))(hyper)
     gmask = group_mask(hyper, [g for g in glob if g not in config.fixed and g != "noise"])
     grad = jax.tree_util.tree_map(lambda a, m: a * m, grad, gmask)
@@ -239,90 +291,103 @@ def _client_update(config: Config, server_hyper: Hyper, st: ClientState, data: D
     return ClientState(st.Z, hyper, q, c, opt_state, vi, vi_opt), msg
 
 
-_client_update_jit = jax.jit(_client_update, static_argnums=0)
+# -- the server ----------------------------------------------------------------------------------
 
 
-def client_update(config: Config, server_hyper: Hyper, state: ClientState, data: Data,
-                  key: Array) -> tuple[ClientState, Message]:
-    """Local CAVI (or Gaussian VI) + local hyperparameters; returns the new state and message."""
-    return _client_update_jit(config, server_hyper, state, data, key)
+def _sum_accepted(x: Array, ok: Array) -> Array:
+    return jnp.sum(jnp.where(ok.reshape((-1,) + (1,) * (x.ndim - 1)), x, 0.0), axis=0)
 
 
-def _finite(tree: Any) -> bool:
-    return all(bool(jnp.all(jnp.isfinite(x))) for x in jax.tree_util.tree_leaves(tree))
-
-
-def server_update(config: Config, state: ServerState, messages: Sequence[Message],
-                  ids: Sequence[Any] | None = None) -> tuple[ServerState, dict]:
-    """One Adam ascent step on the averaged ELBO (Eq. 5) from the accepted messages; global
-    noise in closed form. Non-finite messages are rejected; with none accepted the state is
-    returned unchanged."""
-    ids = list(range(len(messages))) if ids is None else list(ids)
-    ok = [i for i, m in enumerate(messages) if _finite(m)]
-    info = {"accepted": [ids[i] for i in ok],
-            "rejected": [ids[i] for i in range(len(messages)) if i not in ok]}
-    if not ok:
-        return state, info
-    avg = jax.tree_util.tree_map(lambda *g: -sum(g) / len(g), *[messages[i].grad for i in ok])
-    upd, opt = optax.adam(config.server_lr).update(avg, state.opt, state.hyper)
-    hyper = optax.apply_updates(state.hyper, upd)
-    glob, _ = _groups(config)
+def server_step(config: Config, server: ServerState, msgs: Message, ok: Array) -> ServerState:
+    """One optimiser step uphill on the averaged ELBO (Eq. 5) from the accepted messages
+    (``ok``, stacked on axis 0); a global noise in closed form. Unchanged if none is accepted."""
+    n = jnp.sum(ok)
+    avg = jax.tree_util.tree_map(lambda g: -_sum_accepted(g, ok) / jnp.maximum(n, 1), msgs.grad)
+    upd, opt = config.server_optimizer.update(avg, server.opt, server.hyper)
+    hyper = optax.apply_updates(server.hyper, upd)
+    glob, _ = groups(config)
     if "noise" in glob and "noise" not in config.fixed:
-        sums = sum(messages[i].noise_sum for i in ok)
-        counts = sum(messages[i].noise_count for i in ok)
-        hyper = hyper._replace(log_noise=jnp.where(
-            counts > 0, jnp.log(jnp.maximum(sums, 1e-12) / jnp.maximum(counts, 1)),
+        hyper = hyper._replace(log_noise=_closed_form_noise(
+            _sum_accepted(msgs.noise_sum, ok), _sum_accepted(msgs.noise_count, ok),
             hyper.log_noise))
-    info["elbo"] = float(np.mean([float(messages[i].elbo) for i in ok]))
-    return ServerState(hyper, opt, state.round + 1), info
+    new = ServerState(hyper, opt)
+    return jax.tree_util.tree_map(lambda a, b: jnp.where(n > 0, a, b), new, server)
+
+
+def make_trio(config: Config) -> Trio:
+    """pFed-Mul's client step, server step and acknowledgement for :func:`make_round`.
+
+    The data of a client are ``(X, y, task)`` padded to a common number of rows, with its mask.
+    """
+    groups(config)
+
+    def client_update(server, client, data, mask, rng_key, index):
+        X, y, task = data
+        new, msg = client_step(config, server.hyper, client, Data(X, y, task, mask), rng_key)
+        return msg, new
+
+    def server_update(server, msgs, index, received, rng_key, evaluate):
+        ok = jnp.asarray(received) & all_finite(msgs)
+        return server_step(config, server, msgs, ok), ok
+
+    def acknowledge(client, msg, accepted, proposed):
+        return jax.tree_util.tree_map(lambda p, c: jnp.where(accepted, p, c), proposed, client)
+
+    return Trio(client_update, server_update, acknowledge)
+
+
+# -- initial states --------------------------------------------------------------------------
+
+
+def init_server(config: Config, hyper: Hyper) -> ServerState:
+    return ServerState(hyper, config.server_optimizer.init(hyper))
+
+
+def init_clients(config: Config, hyper: Hyper, Z: Array, num_rows: int | None = None
+                 ) -> ClientState:
+    """Stacked client states from inducing inputs ``Z (K, M, D)``: personal Theta = ``hyper``,
+    ``q(u)`` = the prior, ``c = 0`` on ``num_rows`` (padded) rows (default ``M``)."""
+    K = Z.shape[0]
+    q = jax.vmap(lambda z: mogp.prior_qu(config.spec, hyper, z))(Z)
+    vi = VIParams(jnp.zeros_like(q.mean), jnp.zeros_like(q.cov))
+    def stack(tree: Any) -> Any:
+        return jax.tree_util.tree_map(lambda x: jnp.broadcast_to(x, (K, *jnp.shape(x))), tree)
+
+    opt = stack(config.optimizer.init(hyper))
+    vi_opt = jax.vmap(config.vi_optimizer.init)(vi)
+    n = Z.shape[1] if num_rows is None else num_rows
+    return ClientState(Z, stack(hyper), q, jnp.zeros((K, n), Z.dtype), opt, vi, vi_opt)
+
+
+# -- who takes part, with which keys -------------------------------------------------------------
 
 
 def sample_clients(key: Array, num_clients: int, fraction: float) -> list[int]:
     """``max(1, round(fraction * K))`` distinct clients, sorted."""
-    k = max(1, int(round(fraction * num_clients)))
+    k = max(1, round(fraction * num_clients))
     return sorted(np.asarray(jax.random.choice(key, num_clients, (k,), replace=False)).tolist())
 
 
-def run_round(config: Config, server: ServerState, clients: list[ClientState],
-              datas: Sequence[Data], key: Array) -> tuple[ServerState, list[ClientState], dict]:
-    """Sample clients, update them, aggregate; unsampled clients keep their state."""
-    ks, kc = jax.random.split(key)
-    chosen = sample_clients(ks, len(clients), config.fraction)
-    clients, msgs = list(clients), []
-    for i, k in zip(chosen, jax.random.split(kc, len(chosen))):
-        new, msg = client_update(config, server.hyper, clients[i], datas[i], k)
-        msgs.append(msg)
-        if _finite(msg):
-            clients[i] = new
-    server, info = server_update(config, server, msgs, chosen)
-    return server, clients, info
+def round_keys(key: Array, round_index: int, num_clients: int, fraction: float
+               ) -> tuple[Array, np.ndarray]:
+    """Client keys ``(K, ...)`` and the taking-part mask of round ``round_index`` (from 0).
 
-
-def run(config: Config, hyper: Hyper, datas: Sequence[Data], rounds: int, key: Array,
-        callback: Callable[[int, ServerState, list[ClientState]], dict] | None = None
-        ) -> tuple[ServerState, list[ClientState], list[dict]]:
-    """``rounds`` rounds; ``callback(round, server, clients)`` may add metrics to the history."""
-    k0, key = jax.random.split(key)
-    server, clients = init(config, hyper, datas, k0)
-    history = []
-    for r, k in enumerate(jax.random.split(key, rounds)):
-        t0 = time.perf_counter()
-        server, clients, info = run_round(config, server, clients, datas, k)
-        jax.block_until_ready(server.hyper)
-        info["seconds"] = time.perf_counter() - t0
-        if callback is not None:
-            info.update(callback(r, server, clients))
-        history.append(info)
-    return server, clients, history
-
-
-def task_data(data: Data, task: int) -> Data | None:
-    """The rows of one task, relabelled as task 0 (``None`` if the client has none)."""
-    keep = np.flatnonzero(np.asarray(data.mask) & (np.asarray(data.task) == task))
-    if len(keep) == 0:
-        return None
-    return Data(data.X[keep], data.y[keep], jnp.zeros(len(keep), jnp.int32),
-                jnp.ones(len(keep), bool))
+    Round ``r`` uses ``split(key, R)[r]`` (independent of ``R`` under jax's partitionable
+    threefry): half of it samples the clients, the other half is split among them in order.
+    """
+    k = jax.random.split(key, round_index + 1)[round_index]
+    ks, kc = jax.random.split(k)
+    chosen = sample_clients(ks, num_clients, fraction)
+    rest = [i for i in range(num_clients) if i not in chosen]
+    keys = jax.random.split(kc, len(chosen))
+    if rest:  # clients outside the round get keys of their own (they send nothing)
+        keys = jnp.concatenate([keys, jax.random.split(jax.random.fold_in(kc, 1), len(rest))])
+    order = np.empty(num_clients, int)
+    order[chosen] = np.arange(len(chosen))
+    order[rest] = len(chosen) + np.arange(len(rest))
+    active = np.zeros(num_clients, bool)
+    active[chosen] = True
+    return keys[order], active
 
 
 def single_task_config(config: Config, task: int) -> Config:

@@ -22,7 +22,8 @@ Example::
 
 from __future__ import annotations
 
-from typing import Callable, NamedTuple
+from collections.abc import Callable
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -52,7 +53,9 @@ class PolyaGammaSolver(NamedTuple):
     tol: float = 1e-10
 
     def __call__(self, q_cavity, q, data, mask, rng_key):
-        lik = cavi.logit_terms(client(self.model, mask=mask), self.guide.layout, *data)
+        layout = self.guide.layout
+        assert layout is not None  # the guide is set up before its solver runs
+        lik = cavi.logit_terms(client(self.model, mask=mask), layout, *data)
         q_new, sweeps = cavi.iterate(q_cavity, lik, q, self.max_iters, self.tol)
         return LocalResult(q_new, cavi.elbo(q_new, q_cavity, lik), sweeps < self.max_iters, sweeps)
 
@@ -63,6 +66,7 @@ def validate(model: Callable, guide: PVIGuide, clients: Clients) -> None:
     its logits are not finite (every client, in one compiled pass over the padded data)."""
     guide.setup(*clients.client(0))
     layout, name0 = guide.layout, clients.names[0]
+    assert layout is not None  # setup builds it
     arrays = clients.client(0)
     try:
         reason = cavi.check(client(model, mask=np.ones(len(arrays[0]), bool)), layout, *arrays)

@@ -44,7 +44,8 @@ Bayesian linear regression, so the local step is in closed form)::
 
 from __future__ import annotations
 
-from typing import Callable, NamedTuple, Protocol
+from collections.abc import Callable
+from typing import NamedTuple, Protocol, cast
 
 import jax
 import jax.numpy as jnp
@@ -52,15 +53,20 @@ import optax
 from jax import Array
 
 from fedppl.algorithms import conjugate
-from fedppl.algorithms.natural_gradient import LocalResult, NaturalGradientSolver, log_lik_fn
+from fedppl.algorithms.natural_gradient import (
+    LocalResult,
+    NaturalGradientSolver,
+    PriorSolver,
+    log_lik_fn,
+)
 from fedppl.algorithms.trio import Trio
 from fedppl.families import gaussian as g
 from fedppl.guides.pvi_guide import PVIGuide
 from fedppl.handlers.client import client
 
 __all__ = [
-    "ServerState", "ClientState", "ClientMessage", "prior_update", "LocalSolver", "LocalResult", "NaturalGradientSolver",
-    "VariationalSolver", "ConjugateSolver",
+    "ServerState", "ClientState", "ClientMessage", "prior_update", "LocalSolver", "LocalResult",
+    "NaturalGradientSolver", "VariationalSolver", "ConjugateSolver",
     "init", "client_update", "server_update", "acknowledge", "make_trio",
 ]
 
@@ -105,6 +111,14 @@ class LocalSolver(Protocol):
                  rng_key: Array) -> LocalResult: ...
 
 
+class _LocalSitesSolver(Protocol):
+    """A :class:`LocalSolver` that also takes a client's private guide over its local sites
+    (:class:`NaturalGradientSolver`)."""
+
+    def __call__(self, q_cavity: g.Gaussian, q: g.Gaussian, data: tuple, mask: Array,
+                 rng_key: Array, local: g.Conditional | None = None) -> LocalResult: ...
+
+
 class VariationalSolver(NamedTuple):
     """Constant-step stochastic optimisation of the local free energy with an optax optimiser.
 
@@ -125,7 +139,8 @@ class VariationalSolver(NamedTuple):
     tol: float = 1e-4
 
     def __call__(self, q_cavity, q, data, mask, rng_key):
-        log_lik = log_lik_fn(self.model, self.guide, data, mask)
+        # (phi, seed=0) -> log p: the seed is left at its default here
+        log_lik: Callable[..., Array] = log_lik_fn(self.model, self.guide, data, mask)
         guide, S = self.guide, self.num_particles
         cav_mean, _ = g.to_moments(q_cavity)
 
@@ -161,16 +176,21 @@ class ConjugateSolver(NamedTuple):
     guide: PVIGuide
 
     def __call__(self, q_cavity, q, data, mask, rng_key):
-        lik = conjugate.likelihood_terms(client(self.model, mask=mask), self.guide.layout, *data)
+        layout = self.guide.layout
+        assert layout is not None  # the guide is set up before its solver runs
+        lik = conjugate.likelihood_terms(client(self.model, mask=mask), layout, *data)
         cav_full = g.to_full(q_cavity)
-        target = g.product(cav_full, conjugate.likelihood_factor(lik))
+        # a product of full-rank factors is full rank
+        target = cast(g.FullGaussian, g.product(cav_full, conjugate.likelihood_factor(lik)))
         q_new = g.project_diag(target) if self.guide.diag else target
         free_energy = self.expected_log_lik(q_new, data, mask) - g.kl(q_new, q_cavity)
         return LocalResult(q_new, free_energy, jnp.asarray(True), jnp.asarray(1))
 
     def expected_log_lik(self, q: g.Gaussian, data: tuple, mask: Array) -> Array:
         """The client's ``E_q[log p(y_k | theta)]`` in closed form."""
-        lik = conjugate.likelihood_terms(client(self.model, mask=mask), self.guide.layout, *data)
+        layout = self.guide.layout
+        assert layout is not None  # the guide is set up before its solver runs
+        lik = conjugate.likelihood_terms(client(self.model, mask=mask), layout, *data)
         mean, cov = g.to_moments(g.to_full(q))
         return conjugate.expected_log_lik(lik, mean, cov)
 
@@ -194,20 +214,33 @@ def client_update(q: g.Gaussian, state: ClientState, data: tuple, mask: Array, r
     q_cav, repaired = g.repair(g.quotient(q, state.factor))
     if state.local is None:
         out = solver(q_cav, q, data, mask, rng_key)
-    else:
-        out = solver(q_cav, q, data, mask, rng_key, local=state.local)
+    else:  # a client with local sites runs a solver that takes its private guide
+        out = cast(_LocalSitesSolver, solver)(q_cav, q, data, mask, rng_key, local=state.local)
+    return _propose(state, q_cav, repaired, out, damping)
+
+
+def prior_update(state: ServerState, solver: PriorSolver, damping: float | Array, rng_key: Array
+                 ) -> tuple[ClientMessage, ClientState]:
+    """The server's step on its prior factor ``t_0``: a client step whose likelihood is the prior
+    correction (no data, no mask)."""
+    cstate = ClientState(_prior_factor(state))
+    q_cav, repaired = g.repair(g.quotient(state.q, cstate.factor))
+    return _propose(cstate, q_cav, repaired, solver(q_cav, state.q, (), None, rng_key), damping)
+
+
+def _propose(state: ClientState, q_cav: g.Gaussian, repaired: Array, out: LocalResult,
+             damping: float | Array) -> tuple[ClientMessage, ClientState]:
+    """The damped new factor from a local solve, and the message that carries its change."""
     new_factor = g.damp(state.factor, g.quotient(out.q, q_cav), damping)
     msg = ClientMessage(g.quotient(new_factor, state.factor), out.free_energy, repaired,
                         out.converged, out.iterations)
     return msg, ClientState(new_factor, out.local)
 
 
-def prior_update(state: ServerState, solver: LocalSolver, damping: float | Array, rng_key: Array
-                 ) -> tuple[ClientMessage, ClientState]:
-    """The server's step on its prior factor ``t_0``: a client step whose likelihood is the prior
-    correction (``solver`` a :class:`~fedppl.algorithms.natural_gradient.PriorSolver`)."""
-    return client_update(state.q, ClientState(state.prior_factor), (), None, rng_key, solver,
-                         damping)
+def _prior_factor(state: ServerState) -> g.Gaussian:
+    if state.prior_factor is None:
+        raise ValueError("the server state has no prior factor t_0: pass prior_factor to init")
+    return state.prior_factor
 
 
 def server_update(state: ServerState, messages: ClientMessage, received: Array | None = None,
@@ -273,7 +306,7 @@ def acknowledge(states: ClientState, messages: ClientMessage, steps: Array,
 
 
 def make_trio(solver: LocalSolver, damping: float, prior: g.Gaussian, *,
-              prior_solver: LocalSolver | None = None, line_search: bool = False,
+              prior_solver: PriorSolver | None = None, line_search: bool = False,
               schedule: str = "synchronous") -> Trio:
     """PVI as a :class:`~fedppl.algorithms.trio.Trio` on (:class:`ServerState`,
     :class:`ClientState`, :class:`ClientMessage`); the reply to a client is the step its delta
@@ -311,6 +344,7 @@ def make_trio(solver: LocalSolver, damping: float, prior: g.Gaussian, *,
         return _acknowledge_prior(state, pmsg, steps[-1]), steps[:-1]
 
     def begin(state: ServerState, rng_key):
+        assert prior_solver is not None  # begin runs only with a prior solver
         pmsg, _ = prior_update(state, prior_solver, damping, rng_key)
         new, s = server_update(state, _one(pmsg), jnp.ones(1, bool))
         return _acknowledge_prior(state._replace(q=new.q), pmsg, s[0])
@@ -332,7 +366,7 @@ def make_trio(solver: LocalSolver, damping: float, prior: g.Gaussian, *,
 
 def _acknowledge_prior(state: ServerState, msg: ClientMessage, step: Array) -> ServerState:
     """The server applies its own prior-factor delta with the step it accepted."""
-    t0 = acknowledge(_one(ClientState(state.prior_factor)), _one(msg), step[None])
+    t0 = acknowledge(_one(ClientState(_prior_factor(state))), _one(msg), step[None])
     return state._replace(prior_factor=_first(t0).factor)
 
 

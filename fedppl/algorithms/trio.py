@@ -36,7 +36,8 @@ Example (one synchronous round, as :func:`fedppl.runtime.make_round` runs it)::
 
 from __future__ import annotations
 
-from typing import Any, Callable, NamedTuple
+from collections.abc import Callable
+from typing import Any, NamedTuple
 
 __all__ = ["Trio", "keep_proposed"]
 

@@ -25,7 +25,7 @@ Example::
 
 from __future__ import annotations
 
-from typing import NamedTuple, Union
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -101,7 +101,7 @@ class FullGaussian(NamedTuple):
         return self.nat1.shape[-1]
 
 
-Gaussian = Union[DiagGaussian, FullGaussian]
+Gaussian = DiagGaussian | FullGaussian
 
 
 # -- algebra: products, quotients and damping are linear in the natural parameters -----------------
@@ -348,7 +348,7 @@ def embed(g: Gaussian, d: int) -> Gaussian:
     pad = [(0, 0)] * (g.nat1.ndim - 1) + [(0, d)]
     if isinstance(g, DiagGaussian):
         return DiagGaussian(jnp.pad(g.nat1, pad), jnp.pad(g.prec, pad))
-    return FullGaussian(jnp.pad(g.nat1, pad), jnp.pad(g.prec, pad[:-1] + [(0, d), (0, d)]))
+    return FullGaussian(jnp.pad(g.nat1, pad), jnp.pad(g.prec, [*pad[:-1], (0, d), (0, d)]))
 
 
 def head(g: Gaussian, D: int) -> Gaussian:
@@ -386,7 +386,7 @@ def split(g: Gaussian, num_global: int) -> tuple[Gaussian, Conditional]:
         d = g.dim - D
         prec_z = g.prec[..., D:]
         cond = Conditional(g.nat1[..., D:], prec_z[..., :, None] * jnp.eye(d, dtype=prec_z.dtype),
-                           jnp.zeros(g.prec.shape[:-1] + (d, D), g.prec.dtype))
+                           jnp.zeros((*g.prec.shape[:-1], d, D), g.prec.dtype))
         return DiagGaussian(g.nat1[..., :D], g.prec[..., :D]), cond
     cond = Conditional(g.nat1[..., D:], g.prec[..., D:, D:], g.prec[..., D:, :D])
     chol = jnp.linalg.cholesky(_sym(cond.prec))

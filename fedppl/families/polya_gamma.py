@@ -16,9 +16,11 @@ parameters ``(kappa, E[omega])``, i.e. pseudo-observation ``kappa / E[omega]`` w
 
 Example::
 
-    >>> mean(1.0, 0.0), kl_to_prior(1.0, 0.0)
+    >>> float(mean(1.0, 0.0)), float(kl_to_prior(1.0, 0.0))
     (0.25, 0.0)
-    >>> nat1, prec = gaussian_site(y, optimal_c(m, v))
+    >>> nat1, prec = gaussian_site(jnp.array([0.0, 1.0]), optimal_c(jnp.zeros(2), jnp.ones(2)))
+    >>> nat1.tolist()
+    [-0.5, 0.5]
 """
 
 from __future__ import annotations
@@ -41,7 +43,8 @@ def log_cosh(x: Array | float) -> Array:
 def mean(b: Array | float, c: Array | float) -> Array:
     """``E[omega]`` for ``omega ~ PG(b, c)``; a Taylor series near ``c = 0``.
 
-    >>> mean(1.0, 2.0)  # tanh(1) / 4
+    >>> round(float(mean(1.0, 2.0)), 6)  # tanh(1) / 4
+    0.190399
     """
     c = jnp.abs(jnp.asarray(c))
     small = c < _SMALL
@@ -54,7 +57,8 @@ def mean(b: Array | float, c: Array | float) -> Array:
 def kl_to_prior(b: Array | float, c: Array | float) -> Array:
     """``KL[PG(b, c) || PG(b, 0)] = b log cosh(c/2) - c^2 E[omega] / 2`` (non-negative).
 
-    >>> kl_to_prior(1.0, 3.0)
+    >>> round(float(kl_to_prior(1.0, 3.0)), 6)
+    0.176579
     """
     c = jnp.asarray(c)
     # the two terms cancel to O(c^4) near 0: use the series c^4/192 - c^6/1440 there
@@ -71,7 +75,8 @@ def optimal_c(m: Array, v: Array) -> Array:
 
 
 def gaussian_site(y: Array, c: Array) -> tuple[Array, Array]:
-    """Natural parameters ``(kappa, E[omega])`` of the Gaussian site in ``f`` for labels in {0, 1}."""
+    """Natural parameters ``(kappa, E[omega])`` of the Gaussian site in ``f`` (labels in
+    {0, 1})."""
     return jnp.asarray(y) - 0.5, mean(1.0, c)
 
 

@@ -18,14 +18,23 @@ optimum of each ``q(theta)`` step (exact mean, diagonal of ``Lambda``).
 
 Example::
 
-    >>> result = CAVI(logistic_regression, PVIGuide(logistic_regression, "fullrank")).run(X, y)
-    >>> result.elbo          # (num_iters,) non-decreasing
-    >>> mean, cov = fedppl.families.gaussian.to_moments(result.q)
+    >>> import numpy as np
+    >>> from fedppl.models import logistic_regression
+    >>> rng = np.random.default_rng(0)
+    >>> X = rng.normal(size=(50, 2))
+    >>> y = (X[:, 0] + 0.5 * rng.normal(size=50) > 0).astype(float)
+    >>> guide = PVIGuide(logistic_regression, family="fullrank")
+    >>> result = CAVI(logistic_regression, guide, num_iters=20).run(X, y)
+    >>> trace = np.asarray(result.elbo)          # one value per sweep, non-decreasing
+    >>> trace.shape, bool(trace[-1] > trace[0])
+    ((20,), True)
+    >>> mean, cov = g.to_moments(result.q)
 """
 
 from __future__ import annotations
 
-from typing import Any, Callable, NamedTuple
+from collections.abc import Callable
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -75,7 +84,7 @@ def logit_values(model: Callable, layout: SiteLayout, theta: Array, args: tuple,
         ws.append(jnp.reshape(weight, (-1,)).astype(fn.logits.dtype))
     if not fs:
         raise conjugate.NotConjugate("the model has no observed sites")
-    return tuple(jnp.concatenate(p) for p in (fs, ks, ws))
+    return jnp.concatenate(fs), jnp.concatenate(ks), jnp.concatenate(ws)
 
 
 def logit_terms(model: Callable, layout: SiteLayout, *args: Any, **kwargs: Any
@@ -105,7 +114,7 @@ def check(model: Callable, layout: SiteLayout, *args: Any, seed: int = 0, **kwar
         return str(e)
 
 
-# -- the two coordinate updates and the bound -------------------------------------------------------
+# -- the two coordinate updates and the bound ----------------------------------------------------
 
 
 def _logit_moments(lik: LogitLikelihood, q: g.Gaussian) -> tuple[Array, Array]:
@@ -132,7 +141,7 @@ def site_factor(lik: LogitLikelihood, c: Array) -> g.FullGaussian:
 
 def update_q(prior: g.Gaussian, lik: LogitLikelihood, c: Array) -> g.Gaussian:
     """The ``q(theta)`` update; mean-field (exact mean, diagonal precision) for a diagonal prior."""
-    target = g.product(g.to_full(prior), site_factor(lik, c))
+    target = g.to_full(g.product(g.to_full(prior), site_factor(lik, c)))
     return g.project_diag(target) if isinstance(prior, g.DiagGaussian) else target
 
 
@@ -164,7 +173,7 @@ def iterate(prior: g.Gaussian, lik: LogitLikelihood, q_init: g.Gaussian, max_ite
     c0 = optimal_c(lik, q_init)
 
     def cond(state):
-        _, c, change, i = state
+        _, _, change, i = state
         return (i < max_iters) & (change > tol)
 
     def body(state):
@@ -198,11 +207,12 @@ class CAVI:
 
     def run(self, *args: Any, prior: g.Gaussian | None = None, **kwargs: Any) -> CAVIResult:
         """Fit ``q`` to the data ``args``; ``prior`` overrides the model's (e.g. a PVI cavity)."""
-        self.guide.setup(*args, **kwargs)
-        reason = check(self.model, self.guide.layout, *args, **kwargs)
+        layout = self.guide.setup(*args, **kwargs).layout
+        assert layout is not None  # setup builds it
+        reason = check(self.model, layout, *args, **kwargs)
         if reason is not None:
             raise ValueError(f"CAVI needs Bernoulli logits affine in the global sites: {reason}")
-        layout, n = self.guide.layout, self.num_iters
+        n = self.num_iters
 
         @jax.jit
         def run(p0, args):

@@ -3,7 +3,8 @@
 q(theta) = p(theta) * prod_k t_k(theta) lives in the unconstrained space of the global sites
 (``p`` is the prior's Gaussian base times the server's prior factor when the prior is not
 Gaussian there; see :mod:`fedppl.sites`). Local sites (a client's random effects) get a private
-conditional guide ``q(z_k | theta)`` at each client (:class:`~fedppl.families.gaussian.Conditional`).
+conditional guide ``q(z_k | theta)`` at each client
+(:class:`~fedppl.families.gaussian.Conditional`).
 Constrained sites go through ``biject_to(support)``, as with AutoNormal. The guide is an ordinary
 NumPyro guide whose parameters are q's mean and scale (``pvi_loc``, ``pvi_scale_raw``); PVI reads
 and writes q through :meth:`PVIGuide.params_from` and :meth:`PVIGuide.q_from`, and keeps the
@@ -19,7 +20,8 @@ Example::
 
 from __future__ import annotations
 
-from typing import Any, Callable, Sequence
+from collections.abc import Callable, Sequence
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -77,8 +79,8 @@ class PVIGuide:
         self.layout: SiteLayout | None = None
         self.local_layout: SiteLayout | None = None
         self.prior: g.Gaussian | None = None
-        self.prior_correction = None
-        self._signature = None
+        self.prior_correction: Callable[[Array], Array] | None = None
+        self._signature: tuple[Any, ...] | None = None
 
     @property
     def diag(self) -> bool:
@@ -117,7 +119,7 @@ class PVIGuide:
         joint may have (the global and local blocks, no coupling); else None."""
         if self.local_layout is None or self.local != "independent" or self.diag:
             return None
-        D, d = self.layout.dim, self.local_layout.dim
+        D, d = self._require_setup().dim, self.local_layout.dim
         top = jnp.concatenate([jnp.ones((D, D), bool), jnp.zeros((D, d), bool)], 1)
         bottom = jnp.concatenate([jnp.zeros((d, D), bool), jnp.eye(d, dtype=bool)], 1)
         return jnp.concatenate([top, bottom], 0)
@@ -127,8 +129,8 @@ class PVIGuide:
         independent of ``theta`` (None without local sites)."""
         if self.local_layout is None:
             return None
-        D, d = self.layout.dim, self.local_layout.dim
-        dtype = dtype or self.prior.nat1.dtype
+        D, d = self._require_setup().dim, self.local_layout.dim
+        dtype = dtype or self._require_prior().nat1.dtype
         return g.Conditional(jnp.zeros(d, dtype), jnp.eye(d, dtype=dtype),
                              jnp.zeros((d, D), dtype))
 
@@ -137,6 +139,11 @@ class PVIGuide:
             raise RuntimeError("call guide.setup(*model_args) first (PVI.run does this)")
         return self.layout
 
+    def _require_prior(self) -> g.Gaussian:
+        self._require_setup()
+        assert self.prior is not None  # set by setup together with the layout
+        return self.prior
+
     # -- the NumPyro guide ---------------------------------------------------------------------
 
     def __call__(self, *args: Any, **kwargs: Any) -> None:
@@ -144,11 +151,11 @@ class PVIGuide:
         ``cavity`` handler); local sites are not in it, so under a NumPyro ELBO they would be
         drawn from their prior. PVI itself does not call it."""
         layout = self._require_setup()
-        init = self.params_from(self.prior)
+        init = self.params_from(self._require_prior())
         loc = numpyro.param("pvi_loc", init["pvi_loc"])
         raw = numpyro.param("pvi_scale_raw", init["pvi_scale_raw"])
         theta = numpyro.sample("_pvi_theta", self._base(loc, raw), infer={"is_auxiliary": True})
-        for site, u in zip(layout.sites, layout.unpack(theta).values()):
+        for site, u in zip(layout.sites, layout.unpack(theta).values(), strict=True):
             value = site.transform(u)
             ladj = jnp.sum(site.transform.log_abs_det_jacobian(u, value))
             numpyro.sample(site.name, dist.Delta(value, -ladj, event_dim=len(site.shape)))
@@ -210,6 +217,8 @@ class PVIGuide:
         theta = g.sample(rng_key, q, num_samples)
         out = layout.constrain(theta)
         if local is not None:
+            if self.local_layout is None:
+                raise ValueError("local was given but the model has no local sites")
             key = jax.random.fold_in(rng_key, 1)
             if local.nat1.ndim == 1:
                 z = _sample_conditional(key, local, theta)

@@ -71,14 +71,16 @@ class cavity(Messenger):
         if not self._is_global(msg):
             return
         site = self.layout[msg["name"]]
-        if self._run["moments"] is None:
-            self._run["moments"] = mean_and_scale_tril(self.q_cavity)
-        mean, sc = self._run["moments"]
+        run = self._run
+        assert run is not None  # sites are processed only between __enter__ and __exit__
+        if run["moments"] is None:
+            run["moments"] = mean_and_scale_tril(self.q_cavity)
+        mean, sc = run["moments"]
         a, b = site.start, site.start + site.size
         if isinstance(self.q_cavity, DiagGaussian):
             base = dist.Normal(mean[a:b], sc[a:b]).to_event(1)
         else:
-            base = self._conditional(mean, sc, site)
+            base = self._conditional(mean, sc, site, run["theta"])
         msg["fn"] = _with_masks(msg["fn"], transformed(base, site))
 
     def postprocess_message(self, msg):
@@ -90,9 +92,10 @@ class cavity(Messenger):
         # observed or not: a global site given a value by `condition` keeps the cavity's density
         return msg["type"] == "sample" and msg["name"] in self.layout.names
 
-    def _conditional(self, mean, sc, site) -> dist.Distribution:
-        """The full-rank cavity at ``site`` given the global sites seen so far in this call."""
-        seen = sorted((self.layout[n] for n in self._run["theta"]), key=lambda s: s.start)
+    def _conditional(self, mean, sc, site, theta: dict) -> dist.Distribution:
+        """The full-rank cavity at ``site`` given the global sites seen so far in this call
+        (their unconstrained values ``theta``)."""
+        seen = sorted((self.layout[n] for n in theta), key=lambda s: s.start)
         idx = [i for s in [*seen, site] for i in range(s.start, s.start + s.size)]
         p = len(idx) - site.size
         if idx == list(range(len(idx))):  # the sites before it in the layout: slice the factor
@@ -102,7 +105,7 @@ class cavity(Messenger):
             chol = jnp.linalg.cholesky(rows @ rows.T)
         loc = mean[site.start: site.start + site.size]
         if p > 0:
-            prev = jnp.concatenate([self._run["theta"][s.name] for s in seen])
+            prev = jnp.concatenate([theta[s.name] for s in seen])
             eps = jsl.solve_triangular(chol[:p, :p], prev - mean[jnp.asarray(idx[:p])], lower=True)
             loc = loc + chol[p:, :p] @ eps
         return dist.MultivariateNormal(loc, scale_tril=chol[p:, p:])

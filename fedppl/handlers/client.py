@@ -7,9 +7,10 @@ the client's ``num_data`` points (scale ``num_data / batch``). A data plate that
 (``numpyro.plate("data", N, subsample_size=b)``) gets the mask rows of its subsample; numpyro
 scales the batch by ``N / b``. Given ``draw`` (the index of one of a local step's Monte Carlo
 draws), the handler picks that minibatch itself: consecutive slices of one fixed permutation, so
-that the step's draws together see every row about equally often. A ``numpyro.factor`` in no plate is a term of the prior, which the
-server counts once (:func:`fedppl.sites.prior_correction`), so clients drop it. A site observed
-through ``numpyro.handlers.condition`` is masked like one with ``obs=``, in either nesting.
+that the step's draws together see every row about equally often. A ``numpyro.factor`` in no
+plate is a term of the prior, which the server counts once
+(:func:`fedppl.sites.prior_correction`), so clients drop it. A site observed through
+``numpyro.handlers.condition`` is masked like one with ``obs=``, in either nesting.
 
 Example::
 
@@ -22,6 +23,7 @@ from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax import Array
 from numpyro.primitives import Messenger
 
@@ -44,7 +46,7 @@ class client(Messenger):
         the draw's slice of a fixed permutation instead of a random minibatch.
     """
 
-    def __init__(self, fn=None, mask: Array | None = None, plate: str | None = None,
+    def __init__(self, fn=None, mask: Array | np.ndarray | None = None, plate: str | None = None,
                  num_data: int | Array | None = None, draw: int | Array | None = None):
         if mask is None:
             raise ValueError("client needs a mask over the padded data points")

@@ -20,9 +20,9 @@ Labels must be in {0, 1} (NumPyro's Bernoulli encoding; map {-1, 1} labels with 
 Labels outside {0, 1}, or non-finite logits, raise a ``ValueError`` naming the site when the values
 are concrete (under ``jit`` they cannot be inspected: validate first, as ``fedppl.PVI`` does).
 Masked rows keep their mask and are not checked when the mask is visible to the handler: write
-``polya_gamma(client(model, mask=m))`` (the mask is applied first) so that padding is ignored. Each rewritten
-site records ``msg["infer"]["polya_gamma"] = {"logits", "kappa", "omega"}`` (arrays shaped like the
-site's value), which a CAVI step reads from the trace.
+``polya_gamma(client(model, mask=m))`` (the mask is applied first) so that padding is ignored.
+Each rewritten site records ``msg["infer"]["polya_gamma"] = {"logits", "kappa", "omega"}``
+(arrays shaped like the site's value), which a CAVI step reads from the trace.
 
 Example::
 
@@ -33,7 +33,7 @@ Example::
 
 from __future__ import annotations
 
-from typing import Iterable, Mapping
+from collections.abc import Iterable, Mapping
 
 import jax
 import jax.numpy as jnp
@@ -56,7 +56,8 @@ class PolyaGammaBernoulli(dist.Distribution):
     ``Bernoulli(logits=f)``.
     """
 
-    arg_constraints = {"logits": constraints.real, "omega": constraints.positive}
+    # numpyro's Distribution declares arg_constraints a plain (not ClassVar) dict attribute.
+    arg_constraints = {"logits": constraints.real, "omega": constraints.positive}  # noqa: RUF012
     support = constraints.boolean
 
     def __init__(self, logits: Array, omega: Array, *, validate_args: bool | None = None):

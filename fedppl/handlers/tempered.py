@@ -19,7 +19,7 @@ Example::
 
 from __future__ import annotations
 
-from typing import Iterable
+from collections.abc import Iterable
 
 from numpyro.primitives import Messenger
 

@@ -42,8 +42,8 @@ import numpy as np
 from jax import Array
 from tqdm.auto import tqdm
 
-from fedppl.algorithms.trio import Trio
 from fedppl import validation
+from fedppl.algorithms.trio import Trio
 from fedppl.clients import Clients
 from fedppl.runtime.embedded import make_round
 

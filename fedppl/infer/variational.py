@@ -23,9 +23,10 @@ Example (logistic regression on 4 clients, against the pooled fit it converges t
 from __future__ import annotations
 
 import warnings
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from functools import partial
-from typing import Any, Callable
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -58,8 +59,9 @@ class PVIResult(Result):
     the previous round's q to this round's (how far q still moves), ``elbo`` global ELBO
     estimate, ``messages_up``/``messages_down`` and ``bytes_up``/``bytes_down`` (per round),
     ``seconds``, ``step`` (rounds, K) the step each client's update was applied with (1 in
-    full, less when the server shrank it, 0 when it refused it). ``rejected`` lists ``(round, client, reason)`` for updates the server refused;
-    ``unconverged`` lists ``(round, client)`` for local steps that stopped at their cap.
+    full, less when the server shrank it, 0 when it refused it). ``rejected`` lists
+    ``(round, client, reason)`` for updates the server refused; ``unconverged`` lists
+    ``(round, client)`` for local steps that stopped at their cap.
     """
 
     guide: PVIGuide
@@ -220,11 +222,13 @@ class PVI(FederatedMethod):
     # -- set-up --------------------------------------------------------------------------------
 
     def _solver(self, clients: Clients, model: Callable, model_kwargs: dict
-                ) -> tuple[pvi.LocalSolver, pvi.LocalSolver | None]:
+                ) -> tuple[pvi.LocalSolver, PriorSolver | None]:
         """The clients' local solver and (for a prior that is not Gaussian) the server's."""
         data = tuple(a[0] for a in clients.stacked)
         self.guide.setup(*clients.client(0), **model_kwargs)
         has_local = self.guide.local_layout is not None
+        if self.conjugate == "polya-gamma" and self.guide.local_layout is None:
+            polya_gamma.validate(model, self.guide, clients)  # its own, more specific errors
         _check_clients(self.guide, clients, model_kwargs)
         correction = self.guide.prior_correction
         fold_prior = self._pooled and correction is not None
@@ -272,7 +276,7 @@ class PVI(FederatedMethod):
     def init_factors(self, num_clients: int) -> g.Gaussian:
         """Flat factors ``t_k = 1`` for every client (q starts at the prior)."""
         zero = g.zeros_like(self.guide.prior)
-        return jax.tree_util.tree_map(lambda x: jnp.broadcast_to(x, (num_clients,) + x.shape),
+        return jax.tree_util.tree_map(lambda x: jnp.broadcast_to(x, (num_clients, *x.shape)),
                                       zero)
 
     # -- the front's hooks ---------------------------------------------------------------------
@@ -300,7 +304,7 @@ class PVI(FederatedMethod):
         local = self.guide.init_local()
         if local is not None:
             local = (resume.local if resume is not None and resume.local is not None else
-                     jax.tree_util.tree_map(lambda x: jnp.broadcast_to(x, (K,) + x.shape), local))
+                     jax.tree_util.tree_map(lambda x: jnp.broadcast_to(x, (K, *x.shape)), local))
         key = (solver, prior_solver)
         if key not in self._compiled:
             trio = pvi.make_trio(solver, self.damping, self.guide.prior,
@@ -341,7 +345,7 @@ class PVI(FederatedMethod):
                          prior_factor=state.server.prior_factor, model=self._model_as_run)
 
     def _elbo_fn(self, solver: pvi.LocalSolver, model: Callable,
-                 prior_solver: pvi.LocalSolver | None):
+                 prior_solver: PriorSolver | None):
         """Jitted global ELBO ``sum_k E_q[log p(y_k, z_k | theta)] + H[q(z_k | theta)] +
         E_q[prior correction] - KL(q || p~)`` with fresh draws (in closed form for a conjugate
         model)."""

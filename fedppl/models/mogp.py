@@ -17,23 +17,30 @@ Pure-JAX pieces: :func:`kernel`, :func:`projections` (rows ``phi_n`` with
 
 Observations of one client are flat arrays: ``Data(X (N, D), y (N,), task (N,) int, mask (N,))``;
 padding rows have ``mask = False`` and contribute nothing; a task without rows is simply absent.
+:func:`multitask_clients` turns per-task arrays of many clients into a :class:`fedppl.Clients`
+of ``(X, y, task)`` (the form :class:`fedppl.infer.multitask_gp.PFedMul` takes).
 
 Example::
 
+    >>> import numpy as np
     >>> spec = MOGPSpec(kinds=("regression", "classification"), num_latent=2)
     >>> hyper = init_hyper(spec, input_dim=1, key=jax.random.PRNGKey(0))
-    >>> data = client_data([X_r, X_c], [y_r, y_c], spec, client=0)
-    >>> Z = sample_inducing(jax.random.PRNGKey(1), data, 20)
+    >>> x = np.linspace(0.0, 5.0, 12)[:, None]
+    >>> data = client_data([x, x], [np.sin(x[:, 0]), (x[:, 0] > 2).astype(float)], spec)
+    >>> Z = sample_inducing(jax.random.PRNGKey(1), data, 6)
     >>> q, c = prior_qu(spec, hyper, Z), jnp.zeros(data.y.shape)
     >>> for _ in range(5):
     ...     c = update_c(spec, hyper, Z, data, q); q = cavi_qu(spec, hyper, Z, data, c)
-    >>> mean, var = predict(spec, hyper, Z, q, X_test, task=1)
+    >>> mean, var = predict(spec, hyper, Z, q, x[:3], task=1)
+    >>> mean.shape, bool(jnp.all(var > 0))
+    ((3,), True)
 """
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from functools import partial
-from typing import NamedTuple, Sequence
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -42,10 +49,12 @@ import numpyro
 import numpyro.distributions as dist
 from jax import Array
 
+from fedppl.clients import Clients
 from fedppl.families import polya_gamma as pg
+from fedppl.models.networks import MLP
 
-__all__ = ["MOGPSpec", "Hyper", "Data", "QU", "KERNELS", "mlp_init", "mlp_apply", "kernel",
-           "init_hyper", "client_data", "pad", "sample_inducing", "projections", "prior_qu",
+__all__ = ["MOGPSpec", "Hyper", "Data", "QU", "KERNELS", "kernel", "init_hyper", "client_data",
+           "multitask_clients", "sample_inducing", "projections", "prior_qu",
            "sites", "cavi_qu", "update_c", "marginals", "elbo", "exact_elbo", "noise_stats",
            "predict", "kl_qu", "mogp_model"]
 
@@ -62,8 +71,9 @@ class MOGPSpec(NamedTuple):
 
 
 class Hyper(NamedTuple):
-    """Prior hyperparameters Theta. ``net``: tuple of (weight, bias) MLP layers (``()`` = none)."""
-    net: tuple
+    """Prior hyperparameters Theta. ``net``: the deep-kernel feature map, a
+    :class:`~fedppl.models.networks.MLP` (the identity when it has no layers)."""
+    net: MLP
     log_phi0: Array   # (B,) kernel variances
     log_phi1: Array   # (B,) kernel rates (inverse squared lengthscales)
     W: Array          # (T, B) mixing weights
@@ -81,25 +91,6 @@ class QU(NamedTuple):
     """Gaussian ``q(u)`` over the stacked inducing outputs ``u = [u_1; ...; u_B]`` (B*M,)."""
     mean: Array
     cov: Array
-
-
-# ----------------------------------------------------------------------------- feature map
-def mlp_init(key: Array, sizes: Sequence[int]) -> tuple:
-    """Glorot-scaled tanh MLP ``sizes[0] -> ... -> sizes[-1]`` as a tuple of (weight, bias)."""
-    layers = []
-    for k, (a, b) in zip(jax.random.split(key, len(sizes) - 1), zip(sizes[:-1], sizes[1:])):
-        layers.append((jax.random.normal(k, (a, b)) * jnp.sqrt(2.0 / (a + b)), jnp.zeros(b)))
-    return tuple(layers)
-
-
-def mlp_apply(net: tuple, X: Array) -> Array:
-    """tanh hidden layers, linear output; identity when ``net == ()``."""
-    h = X
-    for i, (w, b) in enumerate(net):
-        h = h @ w + b
-        if i < len(net) - 1:
-            h = jnp.tanh(h)
-    return h
 
 
 # ----------------------------------------------------------------------------- kernels
@@ -139,12 +130,12 @@ def init_hyper(spec: MOGPSpec, input_dim: int, key: Array | None = None,
             raise ValueError(f"task kind {k!r} is not one of {TASK_KINDS}")
     key = jax.random.PRNGKey(0) if key is None else key
     knet, kw = jax.random.split(key)
-    net = mlp_init(knet, [input_dim, *hidden]) if hidden else ()
+    net = MLP((input_dim, *hidden), key=knet)
     if W is None:
         W = jax.random.normal(kw, (T, B))
     return Hyper(net, jnp.log(jnp.broadcast_to(jnp.asarray(phi0, float), (B,))),
                  jnp.log(jnp.broadcast_to(jnp.asarray(phi1, float), (B,))),
-                 jnp.asarray(W, float), jnp.full((T,), jnp.log(noise)))
+                 jnp.asarray(W, float), jnp.full((T,), jnp.log(noise), dtype=float))
 
 
 # ----------------------------------------------------------------------------- data
@@ -156,7 +147,7 @@ def client_data(Xs: Sequence, ys: Sequence, spec: MOGPSpec, client: int | str = 
     rows, dims = [], {np.asarray(x).shape[-1] for x in Xs if x is not None and len(x)}
     if len(dims) > 1:
         raise ValueError(f"client {client}: tasks have different input dimensions {dims}")
-    for t, (x, y) in enumerate(zip(Xs, ys)):
+    for t, (x, y) in enumerate(zip(Xs, ys, strict=True)):
         if x is None or len(x) == 0:
             continue
         x, y = np.asarray(x, float), np.asarray(y, float).reshape(-1)
@@ -180,14 +171,18 @@ def client_data(Xs: Sequence, ys: Sequence, spec: MOGPSpec, client: int | str = 
                 jnp.ones(len(X), bool))
 
 
-def pad(data: Data, n: int) -> Data:
-    """Pad to ``n`` rows with masked copies of the first row (so shapes match across clients)."""
-    k = n - data.X.shape[0]
-    if k < 0:
-        raise ValueError(f"cannot pad {data.X.shape[0]} rows down to {n}")
-    rep = lambda a, fill: jnp.concatenate([a, jnp.broadcast_to(fill, (k, *a.shape[1:]))])
-    return Data(rep(data.X, data.X[0]), rep(data.y, data.y[0]), rep(data.task, data.task[0]),
-                rep(data.mask, False))
+def multitask_clients(per_client: Sequence[tuple[Sequence, Sequence]], spec: MOGPSpec,
+                      names: Sequence[str] = ()) -> Clients:
+    """``[(Xs, ys), ...]`` (per client, per-task arrays as for :func:`client_data`) as
+    :class:`~fedppl.clients.Clients` of ``(X, y, task)``, each client checked by
+    :func:`client_data`."""
+    if len(per_client) == 0:
+        raise ValueError("there are no clients")
+    rows = []
+    for k, (Xs, ys) in enumerate(per_client):
+        d = client_data(Xs, ys, spec, client=names[k] if names else k)
+        rows.append((np.asarray(d.X), np.asarray(d.y), np.asarray(d.task)))
+    return Clients.from_list(rows, tuple(names))
 
 
 def sample_inducing(key: Array, data: Data, num: int) -> Array:
@@ -211,9 +206,9 @@ def projections(spec: MOGPSpec, hyper: Hyper, Z: Array, X: Array, task: Array
                 ) -> tuple[Array, Array, Array, Array]:
     """``Phi (N, B*M)`` with ``E[f_{task_n}(x_n) | u] = Phi[n] @ u``, the conditional variances
     ``Var[f_n | u] (N,)``, whitened rows ``Psi = Phi L`` and the factors ``L (B, M, M)``."""
-    HZ, HX = mlp_apply(hyper.net, Z), mlp_apply(hyper.net, X)
+    HZ, HX = hyper.net(Z), hyper.net(X)
     phi0, phi1 = jnp.exp(hyper.log_phi0), jnp.exp(hyper.log_phi1)
-    K, L = _kzz_chol(spec, hyper, HZ)
+    _, L = _kzz_chol(spec, hyper, HZ)
     Kzx = jax.vmap(lambda a, b: kernel(spec.kernel, HZ, HX, a, b))(phi0, phi1)  # (B, M, N)
     half = jax.vmap(lambda l, k: jax.scipy.linalg.solve_triangular(l, k, lower=True))(L, Kzx)
     A = jax.vmap(lambda l, h: jax.scipy.linalg.solve_triangular(l.T, h, lower=False))(L, half)
@@ -233,7 +228,7 @@ def _block_diag(L: Array) -> Array:
 @partial(jax.jit, static_argnums=0)
 def prior_qu(spec: MOGPSpec, hyper: Hyper, Z: Array) -> QU:
     """``q(u) = p(u) = N(0, blockdiag K_b(Z, Z))``."""
-    K, _ = _kzz_chol(spec, hyper, mlp_apply(hyper.net, Z))
+    K, _ = _kzz_chol(spec, hyper, hyper.net(Z))
     return QU(jnp.zeros(K.shape[0] * K.shape[1]), _block_diag(K))
 
 
@@ -280,7 +275,7 @@ def update_c(spec: MOGPSpec, hyper: Hyper, Z: Array, data: Data, q: QU) -> Array
 @partial(jax.jit, static_argnums=0)
 def kl_qu(spec: MOGPSpec, hyper: Hyper, Z: Array, q: QU) -> Array:
     """``KL[q(u) || p(u)]`` with the block-diagonal prior (Eq. 18)."""
-    K, L = _kzz_chol(spec, hyper, mlp_apply(hyper.net, Z))
+    _, L = _kzz_chol(spec, hyper, hyper.net(Z))
     B, M = L.shape[0], L.shape[1]
     mb, Sb = q.mean.reshape(B, M), q.cov.reshape(B, M, B, M)
     Sbb = jnp.stack([Sb[b, :, b, :] for b in range(B)])
@@ -350,7 +345,7 @@ def mogp_model(X: Array, task: Array, spec: MOGPSpec, hyper: Hyper, Z: Array,
     """The sparse generative model in NumPyro: ``u_b ~ N(0, K_b(Z, Z))``, ``f_n | u ~
     N(Phi_n u, Var[f_n | u])`` independently, then ``y_n ~ N(f_n, sigma_t^2)`` for regression
     tasks and ``y_n ~ Bernoulli(logits=f_n)`` for classification tasks."""
-    K, _ = _kzz_chol(spec, hyper, mlp_apply(hyper.net, Z))
+    K, _ = _kzz_chol(spec, hyper, hyper.net(Z))
     us = [numpyro.sample(f"u_{b}", dist.MultivariateNormal(jnp.zeros(K.shape[1]), K[b]))
           for b in range(spec.num_latent)]
     Phi, cond, _, _ = projections(spec, hyper, Z, X, task)

@@ -15,8 +15,18 @@ bound is exact for two classes.
 
 Example::
 
-    >>> result = CAVI(one_vs_each, PVIGuide(one_vs_each, family="fullrank")).run(X, y, 3)
-    >>> probs = predict_proba(key, PVIGuide(...), result.q, X_test)   # (N_test, 3)
+    >>> import jax, numpy as np
+    >>> from functools import partial
+    >>> from fedppl.guides.cavi import CAVI
+    >>> rng = np.random.default_rng(0)
+    >>> y = rng.integers(0, 3, 60)
+    >>> X = np.eye(3)[y, :2] * 2.0 + 0.5 * rng.normal(size=(60, 2))
+    >>> model = partial(one_vs_each, num_classes=3)   # the number of classes is static
+    >>> guide = PVIGuide(model, family="fullrank")
+    >>> result = CAVI(model, guide, num_iters=20).run(X, y)
+    >>> probs = predict_proba(jax.random.key(0), guide, result.q, X[:4])
+    >>> probs.shape
+    (4, 3)
 """
 
 from __future__ import annotations

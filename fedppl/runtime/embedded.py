@@ -28,8 +28,9 @@ Example (a toy trio: each client sends the sum of its data, the server adds them
 from __future__ import annotations
 
 import warnings
+from collections.abc import Callable
 from functools import lru_cache
-from typing import Any, Callable
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -110,7 +111,7 @@ def _sequential(trio: Trio):
 
         def one(server, inputs):
             *rest, active_k = inputs
-            return jax.lax.cond(active_k, update, lambda sv, inp: (sv, (inp[0],) + blank),
+            return jax.lax.cond(active_k, update, lambda sv, inp: (sv, (inp[0], *blank)),
                                 server, tuple(rest))
 
         index = jnp.arange(masks.shape[0])

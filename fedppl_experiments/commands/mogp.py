@@ -42,13 +42,21 @@ def _methods(names: list[str]) -> list[str]:
     return out
 
 
+def _check_counts(args: argparse.Namespace) -> None:
+    for flag, value in (("--rounds", args.rounds), ("--shots", args.shots),
+                        ("--clients", args.clients)):
+        if value is not None and value < 1:
+            raise SystemExit(f"{flag} must be a positive integer, got {value}")
+
+
 def run(args: argparse.Namespace) -> dict:
     """Run the study for each method, print a markdown table, optionally write JSON."""
     import jax
     from tqdm.auto import tqdm
 
-    jax.config.update("jax_enable_x64", True)
     methods = _methods(args.method)
+    _check_counts(args)
+    jax.config.update("jax_enable_x64", True)
     rows = {}
     bar = tqdm(total=len(methods) * args.rounds, disable=args.no_progress, desc="mogp")
     for m in methods:
@@ -59,7 +67,7 @@ def run(args: argparse.Namespace) -> dict:
             res = study.run(m, seed=args.seed, rounds=args.rounds,
                             num_clients=args.clients or 5)
             bar.update(args.rounds)
-            keep = ("cls_rmse", "cls_var", "reg_rmse", "reg_var", "rounds_to_converge",
+            keep = ("cls_rmse", "cls_var", "reg_rmse", "reg_var", "rounds_to_convergence",
                     "seconds_per_round", "elbo_per_obs")
         else:
             from fedppl_experiments import mogp_digits as study

@@ -92,7 +92,8 @@ def model(X, y=None):
         numpyro.sample("y", dist.Bernoulli(logits=X @ w), obs=y)
 rng = np.random.default_rng(1)
 X = rng.normal(size=(500, 4)).astype(np.float32)
-y = (rng.uniform(size=500) < 1 / (1 + np.exp(-(X @ np.array([1.5, -1.0, 0.5, 0.3]))))).astype(np.float32)
+logits = X @ np.array([1.5, -1.0, 0.5, 0.3])
+y = (rng.uniform(size=500) < 1 / (1 + np.exp(-logits))).astype(np.float32)
 clients = fedppl.partition.homogeneous(X, y, 5, seed=0)
 with warnings.catch_warnings(record=True) as caught:
     warnings.simplefilter("always", RuntimeWarning)

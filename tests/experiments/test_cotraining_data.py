@@ -141,7 +141,7 @@ def test_simulation_is_reproducible():
     b = simulate_two_views(0.5, True, True, n_obs=10, n_test=20, n_pool=30, seed=7)
     c = simulate_two_views(0.5, True, True, n_obs=10, n_test=20, n_pool=30, seed=8)
     for f in ("X", "y", "pool", "X_test"):
-        for u, w in zip(getattr(a, f), getattr(b, f)):
+        for u, w in zip(getattr(a, f), getattr(b, f), strict=True):
             np.testing.assert_array_equal(u, w)
     np.testing.assert_array_equal(a.y_test, b.y_test)
     assert not np.array_equal(a.y[0], c.y[0])
@@ -215,6 +215,7 @@ def _check_split(path: Path, n_obs: int, masked: bool, seed: int, raw: bool = Fa
     np.testing.assert_allclose(sp.X[cand].std(0), 1)
     np.testing.assert_allclose(sp.y, ref.transform_y(raw_data.y))
     if masked:
+        assert sp.clusters is not None
         assert np.all(sp.clusters[sp.party_rows[0]] == 0)
         assert np.all(sp.clusters[sp.party_rows[1]] == 1)
         assert set(sp.clusters[sp.pool_rows]) == {0, 1}  # pool unmasked
@@ -251,7 +252,7 @@ def test_ccpp_rejects_bad_requests(fake_ccpp, tmp_path):
 @needs_ccpp
 @pytest.mark.parametrize("masked", [False, True])
 def test_ccpp_real_data(masked):
-    sp, data = _check_split(CCPP, 50, masked, seed=0)
+    sp, _ = _check_split(CCPP, 50, masked, seed=0)
     assert len(sp.y) == 9568 and sp.X.shape == (9568, 4)
     if masked:
         sizes = np.bincount(sp.clusters)

@@ -9,7 +9,7 @@ from fedppl_experiments.sgp_synthetic import CENTRES, TRUE_HYPER, five_partition
 def test_five_clusters_one_per_client():
     data = five_partitions(per_client=30, seed=1)
     assert data.clients.num_clients == 5
-    for (Xk, yk), c in zip(data.clients.data, CENTRES):
+    for (Xk, yk), c in zip(data.clients.data, CENTRES, strict=True):
         assert Xk.shape == (30, 1) and yk.shape == (30,)
         assert np.all(np.abs(Xk[:, 0] - c) <= 0.25 + 1e-12)
     # the noise is the true noise: residuals against the noiseless draw are not available for the

@@ -44,10 +44,9 @@ def test_cavity_log_density_is_likelihood_plus_cavity(data, family):
     rng = np.random.default_rng(0)
     a = rng.normal(size=(4, 4))
     cov = a @ a.T + 0.5 * np.eye(4)
-    q_cav = g.FullGaussian.from_moments(jnp.asarray(rng.normal(size=4), F32),
-                                        jnp.asarray(cov, F32))
-    if family == "meanfield":
-        q_cav = g.project_diag(q_cav)
+    q_full = g.FullGaussian.from_moments(jnp.asarray(rng.normal(size=4), F32),
+                                         jnp.asarray(cov, F32))
+    q_cav = g.project_diag(q_full) if family == "meanfield" else q_full
     theta = jnp.asarray(rng.normal(size=4) * 0.5, F32)
     values = layout.constrain(theta)
     got, _ = log_density(cavity(three_site_model, q_cav, layout), (X, y), {}, values)

@@ -21,7 +21,7 @@ from tests.float32.conftest import assert_dtype, cond, rtol
 
 @pytest.fixture(autouse=True)
 def x64_on():
-    assert jax.config.jax_enable_x64, "these checks need x64 on (tests/conftest.py sets it)"
+    assert jax.config.read("jax_enable_x64"), "these checks need x64 on (tests/conftest.py sets it)"
 
 
 def test_pvi_keeps_float32_end_to_end(data32):

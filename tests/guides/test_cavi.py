@@ -10,8 +10,7 @@ import numpyro.distributions as dist
 import pytest
 
 from fedppl.families import gaussian as g
-from fedppl.guides import PVIGuide
-from fedppl.guides import cavi
+from fedppl.guides import PVIGuide, cavi
 from fedppl.handlers import client
 from fedppl.sites import SiteLayout
 from tests.conftest import linear_model, logistic_model

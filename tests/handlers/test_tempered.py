@@ -27,7 +27,7 @@ def guide(y=None):
 def test_only_named_latent_sites_are_scaled():
     y = jnp.array([0.1, 0.5, -0.2])
     values = {"z": 0.2, "phi": -0.4}
-    base, tr = log_density(model, (y,), {}, values)
+    base, _ = log_density(model, (y,), {}, values)
     scaled, _ = log_density(tempered(model, alpha=0.1, sites=["phi"]), (y,), {}, values)
     phi_lp = dist.Normal(0.0, 2.0).log_prob(-0.4)
     np.testing.assert_allclose(scaled, base - 0.9 * phi_lp, rtol=1e-12)

@@ -58,8 +58,8 @@ def test_stochastic_local_optimiser_agrees_with_closed_form(linear_data, unequal
     opt = optax.adam(optax.exponential_decay(3e-2, 400, 1e-3))
     result = fedppl.PVI(linear_model, PVIGuide(linear_model, family="fullrank"),
                         schedule="sequential", solver="optax", optimizer=opt, local_steps=400,
-                        num_particles=16, conjugate=False).run(jax.random.key(0), unequal_clients, 3,
-                                             progress_bar=False)
+                        num_particles=16, conjugate=False).run(jax.random.key(0), unequal_clients,
+                                                               3, progress_bar=False)
     mean, cov = result.mean_and_cov()
     exact_mean, exact_cov = exact_linear_posterior(X, y)
     sd = np.sqrt(np.diag(exact_cov))
@@ -111,7 +111,7 @@ def _close(a, b, sd, tol):
 def test_logistic_pvi_fixed_point_is_global_vi(logistic_runs):
     ref, runs = logistic_runs
     sd = np.sqrt(np.diag(ref.mean_and_cov()[1]))
-    for schedule, result in runs.items():
+    for result in runs.values():
         _close(result, ref, sd, 1e-3)
         assert result.history["elbo"][-1] == pytest.approx(ref.history["elbo"][-1], abs=0.5)
         assert result.history["kl_change"][-1] < 1e-8
@@ -170,7 +170,8 @@ def test_non_finite_update_is_rejected_and_recorded(linear_data):
     X, y = linear_data
     parts = [(X[:30], y[:30]), (X[30:60] * 1e200, y[30:60]), (X[60:], y[60:])]
     clients = fedppl.Clients.from_list(parts)
-    pvi = fedppl.PVI(linear_model, PVIGuide(linear_model, family="fullrank"), schedule="synchronous")
+    pvi = fedppl.PVI(linear_model, PVIGuide(linear_model, family="fullrank"),
+                     schedule="synchronous")
     with pytest.warns(RuntimeWarning, match="rejected the updates of client 1"):
         result = pvi.run(jax.random.key(0), clients, 2, progress_bar=False)
     assert [(r, c) for r, c, _ in result.rejected] == [(1, "client 1"), (2, "client 1")]
@@ -193,7 +194,7 @@ def test_argument_checks():
         PVIGuide(linear_model, family="lowrank")
     with pytest.raises(ValueError, match="local_tol must be positive"):
         fedppl.PVI(linear_model, guide, local_tol=0.0)
-    with pytest.raises(ValueError, match="local_steps .* must be >= 1"):
+    with pytest.raises(ValueError, match=r"local_steps .* must be >= 1"):
         fedppl.PVI(linear_model, guide, local_steps=0)
     with pytest.raises(ValueError, match="even"):
         fedppl.PVI(linear_model, guide, num_particles=3)

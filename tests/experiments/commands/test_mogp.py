@@ -28,3 +28,9 @@ def test_digits_command_prints_table_and_writes_json(tmp_path, capsys):
 def test_unknown_method_is_rejected():
     with pytest.raises(SystemExit, match="unknown method"):
         cmd.run(_parse(["mogp", "--method", "fedavg", "--no-progress"]))
+
+
+@pytest.mark.parametrize("flag", ["--rounds", "--shots", "--clients"])
+def test_non_positive_counts_are_rejected(flag):
+    with pytest.raises(SystemExit, match=f"{flag} must be a positive integer, got 0"):
+        cmd.run(_parse(["mogp", flag, "0", "--no-progress"]))
