@@ -2,9 +2,18 @@
 
 Example::
 
-    >>> idata = result.to_arviz(jax.random.key(0), num_samples=1000)
-    >>> arviz.summary(idata)
-    >>> idata.constant_data["factor_mean"]          # (client, theta) mean of each t_k
+    >>> import jax, numpy as np, fedppl
+    >>> from fedppl.models import linear_regression as model
+    >>> rng = np.random.default_rng(0)
+    >>> X = rng.normal(size=(60, 2))
+    >>> clients = fedppl.partition.homogeneous(X, X @ np.ones(2), num_clients=3, seed=0)
+    >>> result = fedppl.PVI(model, fedppl.PVIGuide(model)).run(
+    ...     jax.random.key(0), clients, num_rounds=1, progress_bar=False)
+    >>> idata = result.to_arviz(jax.random.key(0), num_samples=100)
+    >>> idata.posterior["w"].shape                   # (chain, draw, w_dim_0)
+    (1, 100, 2)
+    >>> idata.constant_data["factor_nat1"].dims      # each t_k in natural parameters, per client
+    ('client', 'theta')
 """
 
 from __future__ import annotations

@@ -54,10 +54,6 @@ class Clients:
             if lengths == {0}:
                 raise ValueError(f"{who} has no data")
             for i, a in enumerate(arrays):
-                kind = np.asarray(a).dtype
-                if not (np.issubdtype(kind, np.number) or np.issubdtype(kind, np.bool_)):
-                    raise TypeError(f"{who}: array {i} has dtype {kind}; the data must be "
-                                    "numbers (encode labels or categories as integers)")
                 if np.issubdtype(np.asarray(a).dtype, np.number):
                     bad = ~np.isfinite(np.asarray(a, dtype=float))
                     if bad.any():

@@ -8,11 +8,17 @@ for binary labels, or an ``(N, C)`` matrix of class probabilities.
 
 Example::
 
+    >>> import numpy as np
     >>> from fedppl import metrics
-    >>> mean, var = metrics.unstandardise(mean_s, var_s, y_mean, y_std)  # back to original units
-    >>> metrics.rmse(y_test, mean), metrics.gaussian_log_likelihood(y_test, mean, var)
+    >>> y_test = np.array([1.0, 2.0, 3.0])
+    >>> mean, var = metrics.unstandardise(np.zeros(3), np.ones(3), 2.0, 1.0)  # original units
+    >>> round(metrics.rmse(y_test, mean), 3), round(metrics.gaussian_log_likelihood(
+    ...     y_test, mean, var), 3)
+    (0.816, -1.252)
     >>> cal = metrics.regression_calibration(y_test, mean, var)  # cal.ece, cal.mce, cal.brier
-    >>> metrics.accuracy(labels, prob), metrics.classification_ece(labels, prob, num_bins=10)
+    >>> labels, prob = np.array([0, 1, 1]), np.array([0.2, 0.9, 0.4])
+    >>> metrics.accuracy(labels, prob)
+    0.6666666666666666
 """
 
 from __future__ import annotations

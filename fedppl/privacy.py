@@ -38,13 +38,18 @@ turned into a numpy seed from its raw key data.
 
 Example::
 
+    >>> import numpy as np
     >>> from fedppl import privacy
+    >>> x = np.linspace(0, 1, 5)
+    >>> K_train = np.exp(-0.5 * (x[:, None] - x[None]) ** 2 / 0.3**2)
     >>> sens = privacy.gp_mean_sensitivity(K_train, noise_var=0.1, d=1.0)
     >>> acc = privacy.PrivacyAccountant()                       # fresh sample per release
-    >>> out = privacy.release_mean(0, mu_star, K_star_star, sens, epsilon=1.0, delta=1e-2,
-    ...                            accountant=acc)
-    >>> out.mean, out.noise_scale                               # released values, Delta c / eps
-    >>> acc.epsilon(target_delta=1e-5), acc.count               # composed cost so far
+    >>> out = privacy.release_mean(0, np.zeros(3), K_train[:3, :3], sens, epsilon=1.0,
+    ...                            delta=1e-2, accountant=acc)
+    >>> out.mean.shape, bool(out.noise_scale > 0)               # released values, Delta c / eps
+    ((3,), True)
+    >>> acc.count, bool(acc.epsilon(target_delta=1e-5) > 1.0)   # composed cost so far
+    (1, True)
 """
 
 from __future__ import annotations

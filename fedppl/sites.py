@@ -13,9 +13,12 @@ server folds into one more factor ``t_0`` of ``q = p~ t_0 prod_k t_k``.
 
 Example::
 
-    >>> layout = SiteLayout.from_model(model, X, y)            # trace the model once
+    >>> import jax.numpy as jnp, numpy as np
+    >>> from fedppl.models import linear_regression as model
+    >>> layout = SiteLayout.from_model(model, np.zeros((5, 2)), np.zeros(5))  # trace once
     >>> theta = jnp.zeros(layout.dim)
-    >>> layout.constrain(theta)                                 # {"w": ..., "sigma": ...}
+    >>> {k: v.shape for k, v in layout.constrain(theta).items()}
+    {'w': (2,), 'b': ()}
 """
 
 from __future__ import annotations

@@ -12,9 +12,15 @@ family, its mean-field projection otherwise). :func:`check` decides whether a mo
 
 Example::
 
-    >>> reason = check(client_model, layout, X_k, y_k)      # None when conjugate
-    >>> lik = likelihood_terms(client_model, layout, X_k, y_k)
-    >>> factor = likelihood_factor(lik)                     # FullGaussian in natural parameters
+    >>> import numpy as np, fedppl
+    >>> from fedppl.models import linear_regression as model
+    >>> X = np.random.default_rng(0).normal(size=(20, 2))
+    >>> layout = fedppl.PVIGuide(model).setup(X, X @ np.ones(2)).layout
+    >>> check(model, layout, X, X @ np.ones(2)) is None      # None when conjugate
+    True
+    >>> lik = likelihood_terms(model, layout, X, X @ np.ones(2))
+    >>> likelihood_factor(lik).prec.shape                   # FullGaussian in natural parameters
+    (3, 3)
 """
 
 from __future__ import annotations

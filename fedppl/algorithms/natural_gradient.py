@@ -53,8 +53,16 @@ Hessian (see :func:`target`); its fixed point is still the mean-field stationari
 
 Example::
 
-    >>> solver = NaturalGradientSolver(model, guide.setup(X, y), num_draws=32)
-    >>> out = solver(q_cavity, q, (X_k, y_k), mask_k, key)   # out.q, out.converged, ...
+    >>> import jax, numpy as np, fedppl
+    >>> from fedppl.models import logistic_regression as model
+    >>> rng = np.random.default_rng(0)
+    >>> X = rng.normal(size=(40, 2))
+    >>> y = (X[:, 0] > 0) * 1.0
+    >>> guide = fedppl.PVIGuide(model).setup(X, y)
+    >>> solver = NaturalGradientSolver(model, guide, 32)       # 32 fixed draws
+    >>> out = solver(guide.prior, guide.prior, (X, y), jax.numpy.ones(40, bool), jax.random.key(0))
+    >>> bool(out.converged), out.q.nat1.shape                 # q over (w, b)
+    (True, (3,))
 """
 
 from __future__ import annotations

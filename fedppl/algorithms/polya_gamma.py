@@ -15,9 +15,32 @@ so its factor stays where it is (the identity, if it started there). Labels must
 
 Example::
 
-    >>> pvi = fedppl.PVI(logistic_regression, PVIGuide(logistic_regression, "fullrank"),
+    >>> import jax, numpy as np, fedppl
+    >>> from fedppl.models import logistic_regression
+    >>> rng = np.random.default_rng(0)
+    >>> X = rng.normal(size=(30, 2))
+    >>> y = (X @ np.array([1.5, -1.0]) + 0.3 * rng.normal(size=30) > 0).astype(float)
+    >>> clients = fedppl.partition.homogeneous(X, y, num_clients=2, seed=0)
+    >>> pvi = fedppl.PVI(logistic_regression, PVIGuide(logistic_regression, family="fullrank"),
     ...                  conjugate="polya-gamma")
-    >>> result = pvi.run(jax.random.key(0), clients, num_rounds=10)
+    >>> result = pvi.run(jax.random.key(0), clients, num_rounds=2, progress_bar=False)
+    >>> result.q.prec.shape                                  # full rank over (w, b)
+    (3, 3)
+    >>> w = result.posterior["w"].mean
+    >>> bool(w[0] > 0), bool(w[1] < 0)                       # the signs of the true weights
+    (True, True)
+    >>> kl_change = result.history["kl_change"]              # q settles round by round
+    >>> bool(kl_change[-1] < kl_change[0])
+    True
+
+    Labels in {-1, 1} are caught before the run, naming the client:
+
+    >>> bad = fedppl.partition.homogeneous(X, 2 * y - 1, num_clients=2, seed=0)
+    >>> try:
+    ...     validate(logistic_regression, PVIGuide(logistic_regression), bad)
+    ... except ValueError as e:
+    ...     print(str(e).split(":")[0])
+    client 0
 """
 
 from __future__ import annotations

@@ -12,10 +12,14 @@ factors themselves in natural parameters (:mod:`fedppl.families.gaussian`).
 
 Example::
 
+    >>> import jax, numpy as np
+    >>> from fedppl.models import linear_regression as model
+    >>> X, y = np.zeros((5, 2)), np.zeros(5)
     >>> guide = PVIGuide(model, family="fullrank")
-    >>> guide.setup(X, y)                          # trace once: sites, shapes, the prior
+    >>> guide = guide.setup(X, y)                  # trace once: sites, shapes, the prior
     >>> params = guide.params_from(guide.prior)    # q = prior
-    >>> samples = guide.sample(key, guide.prior, 100)
+    >>> guide.sample(jax.random.key(0), guide.prior, 100)["w"].shape
+    (100, 2)
 """
 
 from __future__ import annotations

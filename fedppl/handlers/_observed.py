@@ -10,7 +10,23 @@ then never see.
 
 Example::
 
-    >>> is_observed, value = observation(self, msg)     # in a Messenger's process_message
+    >>> import numpyro, numpyro.distributions as dist
+    >>> from numpyro.handlers import condition, seed, trace
+    >>> from numpyro.primitives import Messenger
+    >>> class probe(Messenger):                         # records what a handler would see
+    ...     def process_message(self, msg):
+    ...         if msg["type"] == "sample":
+    ...             self.seen = observation(self, msg)  # in a Messenger's process_message
+    >>> def model():
+    ...     numpyro.sample("x", dist.Normal(0.0, 1.0))
+    >>> p = probe(model)
+    >>> _ = trace(seed(condition(p, {"x": 2.0}), 0)).get_trace()  # `condition` is outside `p`
+    >>> is_observed, value = p.seen
+    >>> is_observed, float(value)
+    (True, 2.0)
+    >>> _ = trace(seed(p, 0)).get_trace()                          # no `condition`: latent
+    >>> p.seen
+    (False, None)
 """
 
 from __future__ import annotations

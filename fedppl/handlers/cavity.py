@@ -20,8 +20,31 @@ on a site inside the handler (``numpyro.handlers.mask``) stay on the cavity's di
 
 Example::
 
+    >>> import jax, jax.numpy as jnp, numpyro, numpyro.distributions as dist
     >>> from numpyro.infer import Trace_ELBO
+    >>> from numpyro.infer.util import log_density
+    >>> def model(X, y=None):
+    ...     w = numpyro.sample("w", dist.Normal(0.0, 1.0).expand([X.shape[1]]).to_event(1))
+    ...     with numpyro.plate("data", X.shape[0]):
+    ...         numpyro.sample("y", dist.Normal(X @ w, 1.0), obs=y)
+    >>> X, y = jnp.array([[1.0, 0.0], [0.0, 1.0], [1.0, 1.0]]), jnp.array([0.5, -0.5, 0.0])
+    >>> layout = SiteLayout.from_model(model, X, y)
+    >>> q_cav = DiagGaussian.from_moments(jnp.array([1.0, -1.0]), jnp.array([0.25, 0.25]))
+
+    The prior ``N(0, 1)`` of ``w`` is now the cavity ``N((1, -1), 0.5^2)``:
+
+    >>> w = jnp.array([0.5, 0.5])
+    >>> lp, _ = log_density(cavity(model, q_cav, layout), (X, y), {}, {"w": w})
+    >>> by_hand = (dist.Normal(X @ w, 1.0).log_prob(y).sum()
+    ...            + dist.Normal(jnp.array([1.0, -1.0]), 0.5).log_prob(w).sum())
+    >>> round(float(lp), 3) == round(float(by_hand), 3)
+    True
+    >>> def guide(X, y=None):
+    ...     numpyro.sample("w", dist.Normal(jnp.zeros(2), 0.5).to_event(1))
+    >>> key, params = jax.random.key(0), {}
     >>> free_energy = -Trace_ELBO().loss(key, params, cavity(model, q_cav, layout), guide, X, y)
+    >>> bool(jnp.isfinite(free_energy))
+    True
 """
 
 from __future__ import annotations

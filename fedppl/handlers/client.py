@@ -14,9 +14,28 @@ plate is a term of the prior, which the server counts once
 
 Example::
 
+    >>> import jax.numpy as jnp, numpyro, numpyro.distributions as dist
+    >>> from numpyro.infer.util import log_density
+    >>> def model(X, y=None):
+    ...     w = numpyro.sample("w", dist.Normal(0.0, 1.0).expand([X.shape[1]]).to_event(1))
+    ...     with numpyro.plate("data", X.shape[0]):
+    ...         numpyro.sample("y", dist.Normal(X @ w, 1.0), obs=y)
     >>> # X_k, y_k padded to N_max rows; mask_k marks the real ones
+    >>> X_k = jnp.array([[1.0, 0.0], [0.0, 1.0], [1.0, 1.0], [0.0, 0.0], [0.0, 0.0]])
+    >>> y_k = jnp.array([0.5, -0.5, 0.0, 0.0, 0.0])
+    >>> mask_k = jnp.array([True, True, True, False, False])
     >>> with client(mask=mask_k):
     ...     tr = numpyro.handlers.trace(numpyro.handlers.seed(model, 0)).get_trace(X_k, y_k)
+    >>> (tr["y"]["fn"].log_prob(y_k) != 0).tolist()       # padded rows contribute nothing
+    [True, True, True, False, False]
+
+    The padded client's log density is that of its three real rows alone:
+
+    >>> params = {"w": jnp.array([0.5, 0.5])}
+    >>> padded, _ = log_density(client(model, mask=mask_k), (X_k, y_k), {}, params)
+    >>> real, _ = log_density(model, (X_k[:3], y_k[:3]), {}, params)
+    >>> round(float(padded), 3) == round(float(real), 3)
+    True
 """
 
 from __future__ import annotations

@@ -26,9 +26,27 @@ Each rewritten site records ``msg["infer"]["polya_gamma"] = {"logits", "kappa", 
 
 Example::
 
-    >>> from numpyro.handlers import trace, seed
+    >>> import jax.numpy as jnp, numpyro.distributions as dist
+    >>> from numpyro.handlers import substitute, trace, seed
+    >>> from fedppl.models import logistic_regression
+    >>> X = jnp.array([[1.0, 0.0], [0.0, 1.0], [1.0, 1.0], [-1.0, 0.5]])
+    >>> y = jnp.array([1.0, 0.0, 1.0, 0.0])
+    >>> params = {"w": jnp.array([0.5, -1.0]), "b": jnp.array(0.2)}
+    >>> model = substitute(logistic_regression, params)
+    >>> e_omega = jnp.full(4, 0.2)                            # E[omega], one per observation
     >>> tr = trace(seed(polya_gamma(model, omega={"y": e_omega}), 0)).get_trace(X, y)
     >>> f = tr["y"]["infer"]["polya_gamma"]["logits"]         # (N,)
+    >>> f.shape, bool(jnp.allclose(f, X @ params["w"] + params["b"]))
+    ((4,), True)
+    >>> bound = -jnp.log(2.0) + (y - 0.5) * f - e_omega * f**2 / 2
+    >>> bool(jnp.allclose(tr["y"]["fn"].log_prob(y), bound))
+    True
+
+    Without ``omega``, Bohning's bound lies below the exact Bernoulli log likelihood:
+
+    >>> tr = trace(seed(polya_gamma(model), 0)).get_trace(X, y)
+    >>> bool((tr["y"]["fn"].log_prob(y) <= dist.Bernoulli(logits=f).log_prob(y)).all())
+    True
 """
 
 from __future__ import annotations

@@ -224,6 +224,12 @@ class PVI(FederatedMethod):
     def _solver(self, clients: Clients, model: Callable, model_kwargs: dict
                 ) -> tuple[pvi.LocalSolver, PriorSolver | None]:
         """The clients' local solver and (for a prior that is not Gaussian) the server's."""
+        for who, arrays in zip(clients.names, clients.data, strict=True):
+            for i, a in enumerate(arrays):
+                kind = np.asarray(a).dtype
+                if not (np.issubdtype(kind, np.number) or np.issubdtype(kind, np.bool_)):
+                    raise TypeError(f"{who}: array {i} has dtype {kind}; the model's data must "
+                                    "be numbers (encode labels or categories as integers)")
         data = tuple(a[0] for a in clients.stacked)
         self.guide.setup(*clients.client(0), **model_kwargs)
         has_local = self.guide.local_layout is not None

@@ -2,8 +2,12 @@
 
 Example::
 
+    >>> import numpy as np
+    >>> from fedppl.guides import PVIGuide
     >>> from fedppl.models import logistic_regression
     >>> guide = PVIGuide(logistic_regression, family="fullrank")
+    >>> guide.setup(np.zeros((4, 3)), np.zeros(4)).layout.dim   # w (3) and b (1)
+    4
 """
 
 from __future__ import annotations

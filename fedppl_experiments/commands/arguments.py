@@ -29,7 +29,10 @@ def _number(text: str, kind=float):
 
 def positive_int(text: str) -> int:
     """A whole number >= 1 (``--rounds 0`` or ``--clients 2.5`` is refused)."""
-    value = _number(text, int)
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"must be a positive integer, got {text!r}") from None
     if value < 1:
         raise argparse.ArgumentTypeError(f"must be a positive integer, got {text!r}")
     return value

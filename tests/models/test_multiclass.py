@@ -49,7 +49,7 @@ def test_cavi_is_monotone_accurate_and_below_the_softmax_elbo(toy):
     draws = guide.sample(jax.random.key(1), result.q, 4000)
     F = jnp.einsum("nd,sdk->snk", X, draws["W"]) + draws["b"][:, None, :]
     ll = jnp.take_along_axis(jax.nn.log_softmax(F), jnp.broadcast_to(y[None, :, None],
-                                                                     F.shape[:2] + (1,)), 2)
+                                                                     (*F.shape[:2], 1)), 2)
     per_draw = np.asarray(ll.sum(axis=(1, 2)))
     softmax_elbo = per_draw.mean() - float(g.kl(result.q, guide.prior))
     se = per_draw.std(ddof=1) / np.sqrt(per_draw.size)
