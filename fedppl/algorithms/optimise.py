@@ -51,9 +51,3 @@ def minimise(loss: Callable[[Any, Any], Array], params: Any,
     (params, _), values = jax.lax.scan(step, (params, state), keys)
     return params, values
 
-
-def check_optimizer(optimizer: Any, name: str = "optimizer") -> optax.GradientTransformation:
-    """TODO(lead): callers move to :func:`fedppl.validation.optimizer`; then remove this."""
-    from fedppl.validation import optimizer as check
-
-    return check(optimizer, name)

@@ -246,5 +246,3 @@ def check_rounds(num_rounds: Any, name: str = "num_rounds") -> int:
     """A positive whole number of rounds (a clear error for 0, -2, 2.5 or \"3\")."""
     return validation.positive_int(num_rounds, name)
 
-
-_check_key = validation.rng_key  # TODO(lead): remove once the fronts call validation.rng_key

@@ -24,7 +24,8 @@ import jax.scipy.linalg as jsl
 import optax
 from jax import Array
 
-from fedppl.algorithms.optimise import check_optimizer, minimise
+from fedppl import validation
+from fedppl.algorithms.optimise import minimise
 from fedppl.models.kernels import SEParams
 
 __all__ = ["GPParams", "init_params", "kernel", "neg_log_marginal", "fit", "predict"]
@@ -68,7 +69,7 @@ def fit(X: Array, y: Array, extra: Array | None = None, init: SEParams | None = 
         optimizer = _adam(float(learning_rate))
     X, y = jnp.asarray(X), jnp.asarray(y)
     params = init if init is not None else init_params(X.shape[1])
-    optimizer = DEFAULT_OPTIMIZER if optimizer is None else check_optimizer(optimizer)
+    optimizer = DEFAULT_OPTIMIZER if optimizer is None else validation.optimizer(optimizer)
     return _fit(params, X, y, extra, steps, optimizer)
 
 
