@@ -49,12 +49,13 @@ import numpy as np
 import optax
 from jax import Array
 
-from fedppl import validation
 from fedppl.algorithms import fedbnr as alg
 from fedppl.clients import Clients
 from fedppl.families import gaussian as g
 from fedppl.infer.base import FederatedMethod, Result, RunState, check_rounds, num_bytes
 from fedppl.models.random_features import URKSpec, base_draws, check_spec, init_urk
+from fedppl.validation import optimizer as check_optimizer
+from fedppl.validation import rng_key as check_key
 
 __all__ = ["FedBNR", "FedBNRResult", "KERNELS", "LAST_LAYERS"]
 
@@ -172,7 +173,7 @@ class FedBNR(FederatedMethod):
             raise ValueError("kernel='central' learns on the pooled data, so its last layer is "
                              "global; last_layer='local' needs a federated kernel")
         self.schedule = _choice(schedule, SCHEDULES, "schedule")
-        self.optimizer = validation.optimizer(optax.adam(1e-2) if optimizer is None else optimizer)
+        self.optimizer = check_optimizer(optax.adam(1e-2) if optimizer is None else optimizer)
         self.local_steps = _count(local_steps, "local_steps")
         self.kd_steps = _count(kd_steps, "kd_steps")
         self.eval_every = _count(eval_every, "eval_every")
@@ -255,7 +256,7 @@ class FedBNR(FederatedMethod):
         ``kernel="kd"`` and used by no other); ``num_rounds``: the planned last round, which is
         evaluated in any case (``run`` passes its own; without it, only every ``eval_every``-th
         round forms the last layer)."""
-        rng_key = validation.rng_key(rng_key)
+        rng_key = check_key(rng_key)
         _check_clients(clients, self.spec.input_dim)
         final = 0 if num_rounds is None else check_rounds(num_rounds)
         validation = _check_server_data(validation, self.spec.input_dim, "validation")
