@@ -54,7 +54,11 @@ class Clients:
             if lengths == {0}:
                 raise ValueError(f"{who} has no data")
             for i, a in enumerate(arrays):
-                if np.issubdtype(np.asarray(a).dtype, np.number):
+                kind = np.asarray(a).dtype
+                if not (np.issubdtype(kind, np.number) or np.issubdtype(kind, np.bool_)):
+                    raise TypeError(f"{who}: array {i} has dtype {kind}; the model's data must "
+                                    "be numbers (encode labels or categories as integers)")
+                if np.issubdtype(kind, np.number):
                     bad = ~np.isfinite(np.asarray(a, dtype=float))
                     if bad.any():
                         rows = np.unique(np.nonzero(bad)[0])[:5].tolist()

@@ -170,7 +170,8 @@ class SiteLayout:
             return {n: jnp.reshape(self[n].transform.inv(tr[n]["value"]), (-1,)) for n in names}
 
         try:
-            draws = jax.vmap(draw)(jax.random.split(jax.random.key(0), BASE_DRAWS))
+            # compiled once (an eager vmap compiles every operation of the model by itself)
+            draws = jax.jit(jax.vmap(draw))(jax.random.split(jax.random.key(0), BASE_DRAWS))
         except Exception:  # a model that cannot be vmapped: draw one by one
             keys = jax.random.split(jax.random.key(0), BASE_DRAWS)
             parts = [draw(k) for k in keys]

@@ -18,7 +18,7 @@ import pytest
 
 import fedppl
 from fedppl.guides import PVIGuide
-from tests.reference import pooled_svi, unconstrained_moments, worst_gap
+from tests.reference import unconstrained_moments, worst_gap
 
 TAU, SIGMA = 0.5, 0.3
 
@@ -160,13 +160,6 @@ def test_logistic_random_intercepts_reach_pooled_vi(logistic_case):
         a = unconstrained_moments(res, client=k)["a"]
         np.testing.assert_allclose(a[0], theirs["a"][0][k], atol=0.1 * theirs["a"][1][k])
         np.testing.assert_allclose(a[1], theirs["a"][1][k], rtol=0.05)
-    svi = pooled_svi(logistic_intercepts, pooled(parts), {"n_groups": len(parts)})
-    ours_all = {**ours, "a": (np.array([unconstrained_moments(res, client=k)["a"][0][0]
-                                        for k in range(len(parts))]),
-                              np.array([unconstrained_moments(res, client=k)["a"][1][0]
-                                        for k in range(len(parts))]))}
-    mean_gap, sd_gap = worst_gap(ours_all, svi)
-    assert mean_gap < 0.1 and sd_gap < 0.05, (mean_gap, sd_gap)
 
 
 def test_local_sites_in_arviz_have_a_client_dimension(logistic_case):

@@ -66,6 +66,7 @@ import jax.numpy as jnp
 import jax.scipy.linalg as jsl
 import numpy as np
 import optax
+import scipy.linalg
 from jax import Array
 
 from fedppl import privacy, validation
@@ -200,7 +201,7 @@ def fit_hyperparameters(X: Data, y: Data, optimizer: optax.GradientTransformatio
 @partial(jax.jit, static_argnames=("optimizer", "steps"))
 def _fit(params: gp.GPParams, X: Array, y: Array, optimizer: optax.GradientTransformation,
          steps: int) -> gp.GPParams:
-    params, _ = minimise(lambda p, _: gp.neg_log_marginal(p, X, y), params, optimizer, steps)
+    params = minimise(lambda p, _: gp.neg_log_marginal(p, X, y), params, optimizer, steps).params
     return params
 
 
@@ -228,17 +229,28 @@ def predict(state: PartyState, X: Data, y: Data, X_test: Data, settings: Setting
     if state.got_index.shape[1] == 0:
         return gp.predict(p, X, y, X_test)
     others = _others(state)
-    Xq = jnp.asarray(state.pool[np.concatenate([state.got_index[b] for b in others])])
-    y_aug = jnp.concatenate([y, jnp.asarray(
-        np.concatenate([state.got_mean[b] for b in others]))])
-    V = jsl.block_diag(*[state.got_cov[b] for b in others])
+    Xq = state.pool[np.concatenate([state.got_index[b] for b in others])]
+    y_q = np.concatenate([state.got_mean[b] for b in others])
+    V = scipy.linalg.block_diag(*[state.got_cov[b] for b in others])
+    P = (None if settings.combination == "noisy"
+         else scipy.linalg.block_diag(*[state.got_prior[b] for b in others]))
+    return _combined(p, X, y, jnp.asarray(Xq), jnp.asarray(y_q), jnp.asarray(V),
+                     None if P is None else jnp.asarray(P), X_test, settings.combination)
+
+
+@partial(jax.jit, static_argnames=("combination",))
+def _combined(p: gp.GPParams, X: Array, y: Array, Xq: Array, y_q: Array, V: Array,
+              P: Array | None, X_test: Array, combination: str) -> tuple[Array, Array]:
+    """The combined predictive from the private data and the answers ``(Xq, y_q)`` with their
+    covariance ``V`` (and, for blocky and hybrid, the answering parties' prior rows ``P``)."""
+    y_aug = jnp.concatenate([y, y_q])
     n1, nq = X.shape[0], Xq.shape[0]
     X_aug = jnp.concatenate([X, Xq])
-    if settings.combination == "noisy":
+    if combination == "noisy":
         extra = jnp.zeros((n1 + nq, n1 + nq)).at[n1:, n1:].set(V + JITTER * jnp.eye(nq))
         return gp.predict(p, X_aug, y_aug, X_test, extra=extra)
-    P = jsl.block_diag(*[state.got_prior[b] for b in others])
-    if settings.combination == "blocky":
+    assert P is not None
+    if combination == "blocky":
         C = jsl.block_diag(gp.kernel(p, X, X) + p.noise_var * jnp.eye(n1),
                            P + V + JITTER * jnp.eye(nq))
         Ks = gp.kernel(p, X_aug, X_test)

@@ -52,8 +52,9 @@ def local_train(params: Any, loss_fn: LossFn, data: tuple, mask: Array,
     """``steps`` optimiser updates of ``loss_fn`` from ``params`` (under ``lax.scan``); returns
     the new parameters and the loss at each step."""
 
-    return minimise(lambda p, key: loss_fn(p, data, mask, key), params, optimizer, steps,
-                    rng_key)
+    new, losses, _ = minimise(lambda p, key: loss_fn(p, data, mask, key), params, optimizer,
+                              steps, rng_key)
+    return new, losses
 
 
 def all_finite(tree: Any) -> Array:

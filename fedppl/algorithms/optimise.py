@@ -6,31 +6,47 @@ distillation, a hyperparameter fit) calls :func:`minimise`; none writes its own 
 Example::
 
     >>> import jax.numpy as jnp, optax
-    >>> params, losses = minimise(lambda p, key: jnp.sum((p - 3.0) ** 2), jnp.zeros(2),
-    ...                           optax.sgd(0.1), steps=100)
-    >>> [round(float(v), 3) for v in params], losses.shape
-    ([3.0, 3.0], (100,))
+    >>> params, losses, opt_state = minimise(lambda p, key: jnp.sum((p - 3.0) ** 2),
+    ...                                      jnp.zeros(2), optax.adam(0.1), steps=200)
+    >>> [round(float(v), 2) for v in params], losses.shape
+    ([3.0, 3.0], (200,))
+
+Optimisers that keep state across calls (a client's Adam moments from one round to the next)
+continue from the state handed back::
+
+    >>> more = minimise(lambda p, key: jnp.sum((p - 3.0) ** 2), params, optax.adam(0.1),
+    ...                 steps=10, opt_state=opt_state)
+    >>> int(more.opt_state[0].count)
+    210
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Any
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
 import optax
 from jax import Array
 
-__all__ = ["minimise"]
+__all__ = ["Minimised", "minimise"]
+
+
+class Minimised(NamedTuple):
+    """What :func:`minimise` hands back."""
+
+    params: Any  # the parameters after the last step
+    losses: Array  # the loss before each step, shape (steps,)
+    opt_state: Any  # the optimiser's state after the last step (pass it back to continue)
 
 
 def minimise(loss: Callable[[Any, Any], Array], params: Any,
              optimizer: optax.GradientTransformation, steps: int | None = None,
              rng_key: Array | None = None, *, keys: Array | None = None,
-             opt_state: Any = None) -> tuple[Any, Array]:
-    """Minimise ``loss(params, key)`` from ``params``; returns the parameters and the loss
-    before each step.
+             opt_state: Any = None) -> Minimised:
+    """Minimise ``loss(params, key)`` from ``params``; returns the parameters, the loss
+    before each step and the final optimiser state.
 
     The keys are ``jax.random.split(rng_key, steps)``, or ``keys`` as given (one per step), or
     step indices when neither is given (a deterministic loss ignores them). ``opt_state``
@@ -48,6 +64,6 @@ def minimise(loss: Callable[[Any, Any], Array], params: Any,
         return (optax.apply_updates(p, updates), state), value
 
     state = optimizer.init(params) if opt_state is None else opt_state
-    (params, _), values = jax.lax.scan(step, (params, state), keys)
-    return params, values
+    (params, state), values = jax.lax.scan(step, (params, state), keys)
+    return Minimised(params, values, state)
 

@@ -57,6 +57,7 @@ import optax
 from jax import Array
 
 from fedppl.algorithms.fedavg import all_finite
+from fedppl.algorithms.optimise import minimise
 from fedppl.algorithms.trio import Trio
 from fedppl.models import mogp
 from fedppl.models.mogp import QU, Data, Hyper, MOGPSpec
@@ -215,18 +216,8 @@ def _descend(loss: Callable[[Any, Array], Array], params: Any,
              optimizer: optax.GradientTransformation, keys: Array, opt_state: Any
              ) -> tuple[Any, Any]:
     """Steps of ``optimizer`` on ``loss(params, key)``, one per key, continuing ``opt_state``;
-    returns the parameters and the optimiser state (carried to the next round).
-
-    The numerics of :func:`fedppl.algorithms.optimise.minimise`, which does not yet hand back
-    its final optimiser state; pFed-Mul's optimisers keep their state across rounds."""
-
-    def step(carry, key):
-        p, state = carry
-        grads = jax.grad(loss)(p, key)
-        updates, state = optimizer.update(grads, state, p)
-        return (optax.apply_updates(p, updates), state), None
-
-    (params, opt_state), _ = jax.lax.scan(step, (params, opt_state), keys)
+    returns the parameters and the optimiser state (carried to the next round)."""
+    params, _, opt_state = minimise(loss, params, optimizer, keys=keys, opt_state=opt_state)
     return params, opt_state
 
 

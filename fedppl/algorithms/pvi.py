@@ -59,6 +59,7 @@ from fedppl.algorithms.natural_gradient import (
     PriorSolver,
     log_lik_fn,
 )
+from fedppl.algorithms.optimise import minimise
 from fedppl.algorithms.trio import Trio
 from fedppl.families import gaussian as g
 from fedppl.guides.pvi_guide import PVIGuide
@@ -151,18 +152,13 @@ class VariationalSolver(NamedTuple):
             ell = jnp.mean(jax.vmap(log_lik)(theta))
             return g.kl_from_moments(mean, tril, q_cavity, cav_mean) - ell
 
-        def step(carry, key):
-            params, opt_state = carry
-            value, grads = jax.value_and_grad(loss)(params, key)
-            updates, opt_state = self.optimizer.update(grads, opt_state, params)
-            return (optax.apply_updates(params, updates), opt_state), value
-
-        params = guide.params_from(q)
         keys = jax.random.split(rng_key, self.steps + 1)
         head = self.steps - max(self.steps // 10, 1)
-        carry, _ = jax.lax.scan(step, (params, self.optimizer.init(params)), keys[1:head + 1])
-        mid = guide.q_from(carry[0])
-        (params, _), _ = jax.lax.scan(step, carry, keys[head + 1:])
+        params, _, opt_state = minimise(loss, guide.params_from(q), self.optimizer,
+                                        keys=keys[1:head + 1])
+        mid = guide.q_from(params)
+        params = minimise(loss, params, self.optimizer, keys=keys[head + 1:],
+                          opt_state=opt_state).params
         q_new = guide.q_from(params)
         change = g.kl(q_new, mid)
         return LocalResult(q_new, -loss(params, keys[0]), change <= self.tol,

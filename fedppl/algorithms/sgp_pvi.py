@@ -242,10 +242,11 @@ def client_update(spec: Spec, optimizer: optax.GradientTransformation, state: Se
         return -fe(p, sk)
 
     train_z_first = spec.z_mode == "train" and spec.inner_steps == 0
-    params, values = minimise(partial(loss, train_z_first), params, optimizer, spec.local_steps,
-                              k1)
+    params, values, _ = minimise(partial(loss, train_z_first), params, optimizer,
+                                 spec.local_steps, k1)
     if spec.z_mode == "train" and spec.inner_steps > 0:
-        params, values = minimise(partial(loss, True), params, optimizer, spec.inner_steps, k2)
+        params, values, _ = minimise(partial(loss, True), params, optimizer, spec.inner_steps,
+                                     k2)
     lq, own, z_point = params
     t_b, t_z = sg.to_factors(lq, cavity(state.beta_prior, state.t_beta, k),
                              cavity(state.z_prior, state.t_z, k))

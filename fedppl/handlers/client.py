@@ -137,4 +137,9 @@ class client(Messenger):
         msg["fn"] = msg["fn"].mask(m)
         if self.num_data is not None:
             factor = self.num_data / jnp.maximum(jnp.sum(self.mask), 1)
+            # in the precision of the site's parameters (no float64 scale on float32 densities)
+            floats = [jnp.result_type(leaf) for leaf in jax.tree.leaves(msg["fn"])
+                      if jnp.issubdtype(jnp.result_type(leaf), jnp.floating)]
+            if floats:
+                factor = factor.astype(jnp.result_type(*floats))
             msg["scale"] = factor if msg["scale"] is None else msg["scale"] * factor

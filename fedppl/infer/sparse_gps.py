@@ -34,6 +34,7 @@ import optax
 from jax import Array
 from jax.scipy.special import logsumexp
 
+from fedppl import metrics
 from fedppl import validation as check
 from fedppl.algorithms import sgp_pvi
 from fedppl.clients import Clients
@@ -141,9 +142,9 @@ class SGPResult(Result):
     def rmse(self, X: Any, y: Any, rng_key: Array | None = None, num_samples: int = 100,
              y_mean: float = 0.0, y_std: float = 1.0) -> float:
         """Test RMSE of the predictive mean in original units."""
-        mean, _ = self.predict(X, rng_key, num_samples)
-        y = jnp.asarray(chk.check_targets(y, mean.shape[0]))
-        return float(jnp.sqrt(jnp.mean((mean * check.positive(y_std, "y_std") + y_mean - y) ** 2)))
+        mean, var = self.predict(X, rng_key, num_samples)
+        y = chk.check_targets(y, mean.shape[0])
+        return metrics.rmse(y, metrics.unstandardise(mean, var, y_mean, y_std)[0])
 
     def rounds_to_convergence(self, rel_tol: float = 0.01) -> int | None:
         """First round after which the free energy stays within ``rel_tol`` of its range."""

@@ -224,12 +224,6 @@ class PVI(FederatedMethod):
     def _solver(self, clients: Clients, model: Callable, model_kwargs: dict
                 ) -> tuple[pvi.LocalSolver, PriorSolver | None]:
         """The clients' local solver and (for a prior that is not Gaussian) the server's."""
-        for who, arrays in zip(clients.names, clients.data, strict=True):
-            for i, a in enumerate(arrays):
-                kind = np.asarray(a).dtype
-                if not (np.issubdtype(kind, np.number) or np.issubdtype(kind, np.bool_)):
-                    raise TypeError(f"{who}: array {i} has dtype {kind}; the model's data must "
-                                    "be numbers (encode labels or categories as integers)")
         data = tuple(a[0] for a in clients.stacked)
         self.guide.setup(*clients.client(0), **model_kwargs)
         has_local = self.guide.local_layout is not None
@@ -422,6 +416,9 @@ def _check_clients(guide: PVIGuide, clients: Clients, model_kwargs: dict) -> Non
 
     want = {} if guide.local_layout is None else {s.name: s.shape
                                                   for s in guide.local_layout.sites}
+    if not want and clients.num_clients > 1 and _observations_in_support(
+            guide.model, clients.pooled().client(0), model_kwargs):
+        return  # one trace of the pooled rows; the loop below only to name a failing client
     for k in range(clients.num_clients):
         who = clients.names[k]
         try:
@@ -451,6 +448,18 @@ def _check_clients(guide: PVIGuide, clients: Clients, model_kwargs: dict) -> Non
                     "the model the number of groups as a static keyword argument (the largest "
                     "over clients; groups without data keep their prior)"
                 )
+
+
+def _observations_in_support(model: Callable, data: tuple, model_kwargs: dict) -> bool:
+    """Whether the model runs on ``data`` with every observation in its likelihood's support."""
+    from numpyro import handlers
+
+    try:
+        tr = handlers.trace(handlers.seed(model, 0)).get_trace(*data, **model_kwargs)
+    except Exception:
+        return False
+    return all(bool(np.all(site["fn"].support(site["value"]))) for site in tr.values()
+               if site["type"] == "sample" and site["is_observed"])
 
 
 @jax.jit

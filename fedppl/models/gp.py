@@ -39,6 +39,7 @@ def init_params(input_dim: int, lengthscale: float = 1.0, variance: float = 1.0,
     return SEParams.init(input_dim, lengthscale, variance, noise)
 
 
+@jax.jit
 def kernel(params: SEParams, X1: Array, X2: Array) -> Array:
     """The latent covariance ``k(X1, X2)``."""
     return params.kernel(X1, X2)
@@ -85,6 +86,7 @@ def _fit(params: SEParams, X: Array, y: Array, extra: Array | None, steps: int,
     return minimise(lambda p, _: neg_log_marginal(p, X, y, extra), params, optimizer, steps)[0]
 
 
+@partial(jax.jit, static_argnames=("full_cov",))
 def predict(params: SEParams, X: Array, y: Array, X_test: Array, extra: Array | None = None,
             full_cov: bool = False) -> tuple[Array, Array]:
     """Posterior mean and variance (or covariance) of the latent ``f`` at ``X_test``."""

@@ -5,6 +5,8 @@ turns it into the ``(n, m)`` matrix of two sets of rows with two ``vmap`` s. :fu
 :func:`matern` are those matrices for the squared-exponential and Matérn kernels with ARD
 lengthscales (``(p,)`` or a scalar) and a variance: the limits that random features
 (:mod:`fedppl.models.random_features`) converge to, and the kernels of the GP models.
+:func:`laplace_point`, :func:`cauchy_point` and :func:`cosine_point` are the other base
+kernels of the multi-output GP (:mod:`fedppl.models.mogp`), parametrised by a rate.
 
 :class:`SEParams` is the one container of squared-exponential hyperparameters (log lengthscales,
 log variance, log noise standard deviation) that the exact GP, the sparse GPs and FSGP share.
@@ -33,7 +35,8 @@ import jax.numpy as jnp
 from jax import Array
 from jax.typing import ArrayLike
 
-__all__ = ["sq_distance", "se_point", "matern_point", "gram", "se", "matern", "SEParams"]
+__all__ = ["sq_distance", "se_point", "matern_point", "laplace_point", "cauchy_point",
+           "cosine_point", "gram", "se", "matern", "SEParams"]
 
 MATERN_NU = (0.5, 1.5, 2.5)
 
@@ -65,6 +68,25 @@ def matern_point(x1: Array, x2: Array, nu: float = 2.5, lengthscale: Array | flo
         s = jnp.sqrt(5.0) * r
         k = (1.0 + s + s**2 / 3.0) * jnp.exp(-s)
     return variance * k
+
+
+def laplace_point(x1: Array, x2: Array, rate: Array | float = 1.0,
+                  variance: Array | float = 1.0) -> Array:
+    """Laplace (L1) kernel of two points: ``variance * exp(-rate |x1 - x2|_1 / 2)``."""
+    return variance * jnp.exp(-0.5 * rate * jnp.sum(jnp.abs(x1 - x2)))
+
+
+def cauchy_point(x1: Array, x2: Array, rate: Array | float = 1.0,
+                 variance: Array | float = 1.0) -> Array:
+    """Cauchy kernel of two points: ``variance / (rate |x1 - x2|^2 + 1)``."""
+    return variance / (rate * jnp.sum((x1 - x2) ** 2) + 1.0)
+
+
+def cosine_point(x1: Array, x2: Array, variance: Array | float = 1.0) -> Array:
+    """Linear kernel on L2-normalised inputs: ``variance * x1'x2 / (|x1| |x2|)``."""
+    def unit(x: Array) -> Array:
+        return x / jnp.sqrt(jnp.sum(x**2) + 1e-12)
+    return variance * jnp.dot(unit(x1), unit(x2))
 
 
 def gram(kernel: Callable[..., Array], X1: ArrayLike, X2: ArrayLike, *params: object) -> Array:

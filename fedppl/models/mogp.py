@@ -51,6 +51,7 @@ from jax import Array
 
 from fedppl.clients import Clients
 from fedppl.families import polya_gamma as pg
+from fedppl.models import kernels, sparse_gp
 from fedppl.models.networks import MLP
 
 __all__ = ["MOGPSpec", "Hyper", "Data", "QU", "KERNELS", "kernel", "init_hyper", "client_data",
@@ -95,22 +96,18 @@ class QU(NamedTuple):
 
 # ----------------------------------------------------------------------------- kernels
 def kernel(kind: str, X1: Array, X2: Array, phi0: Array, phi1: Array) -> Array:
-    """Base kernels of App. F: rbf ``phi0 exp(-phi1/2 |d|_2^2)``, laplace ``phi0 exp(-phi1/2
-    |d|_1)``, cauchy ``phi0 / (phi1 |d|_2^2 + 1)`` (a variance ``phi0`` added to App. F's form),
-    linear ``phi0 x^T x'`` on L2-normalised inputs (``phi1`` unused)."""
-    if kind == "linear":
-        n1 = X1 / jnp.sqrt(jnp.sum(X1**2, -1, keepdims=True) + 1e-12)
-        n2 = X2 / jnp.sqrt(jnp.sum(X2**2, -1, keepdims=True) + 1e-12)
-        return phi0 * n1 @ n2.T
-    if kind == "laplace":
-        d1 = jnp.sum(jnp.abs(X1[:, None, :] - X2[None, :, :]), -1)
-        return phi0 * jnp.exp(-0.5 * phi1 * d1)
-    sq = jnp.sum(X1**2, -1)[:, None] + jnp.sum(X2**2, -1)[None, :] - 2.0 * X1 @ X2.T
-    sq = jnp.maximum(sq, 0.0)
+    """Base kernels of App. F (from :mod:`fedppl.models.kernels`): rbf ``phi0 exp(-phi1/2
+    |d|_2^2)``, laplace ``phi0 exp(-phi1/2 |d|_1)``, cauchy ``phi0 / (phi1 |d|_2^2 + 1)`` (a
+    variance ``phi0`` added to App. F's form), linear ``phi0 x^T x'`` on L2-normalised inputs
+    (``phi1`` unused)."""
     if kind == "rbf":
-        return phi0 * jnp.exp(-0.5 * phi1 * sq)
+        return kernels.se(X1, X2, jax.lax.rsqrt(phi1), phi0)
+    if kind == "laplace":
+        return kernels.gram(kernels.laplace_point, X1, X2, phi1, phi0)
     if kind == "cauchy":
-        return phi0 / (phi1 * sq + 1.0)
+        return kernels.gram(kernels.cauchy_point, X1, X2, phi1, phi0)
+    if kind == "linear":
+        return kernels.gram(kernels.cosine_point, X1, X2, phi0)
     raise ValueError(f"unknown kernel {kind!r}; choose from {KERNELS}")
 
 
@@ -246,15 +243,12 @@ def sites(spec: MOGPSpec, hyper: Hyper, data: Data, c: Array) -> tuple[Array, Ar
 @partial(jax.jit, static_argnums=0)
 def cavi_qu(spec: MOGPSpec, hyper: Hyper, Z: Array, data: Data, c: Array) -> QU:
     """Closed-form optimal ``q(u)`` given ``q(omega)``: precision ``K^-1 + Phi^T Lam Phi`` and
-    mean ``Sigma Phi^T eta`` (Eq. 14 / App. C), computed in whitened coordinates."""
+    mean ``Sigma Phi^T eta`` (Eq. 14 / App. C), in the whitened coordinates of
+    :func:`fedppl.models.sparse_gp.posterior` (``Psi = Phi L``)."""
     _, _, Psi, L = projections(spec, hyper, Z, data.X, data.task)
     lam, eta = sites(spec, hyper, data, c)
-    P = jnp.eye(Psi.shape[1]) + (Psi * lam[:, None]).T @ Psi
-    Lp = jnp.linalg.cholesky(P)
-    Lb = _block_diag(L)
-    inv_half = jax.scipy.linalg.solve_triangular(Lp, Lb.T, lower=True)  # Lp^-1 L^T
-    mean_v = jax.scipy.linalg.cho_solve((Lp, True), Psi.T @ eta)
-    return QU(Lb @ mean_v, inv_half.T @ inv_half)
+    whitened = sparse_gp.posterior(_block_diag(L), (Psi * lam[:, None]).T @ Psi, Psi.T @ eta)
+    return QU(*sparse_gp.moments(whitened))
 
 
 @partial(jax.jit, static_argnums=0)

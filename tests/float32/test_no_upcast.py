@@ -203,10 +203,6 @@ def test_handlers_keep_float32(data32):
     assert_dtype(tr["y"]["fn"].log_prob(tr["y"]["value"]), what="client site log density")
 
 
-@pytest.mark.xfail(strict=True, reason="fedppl/handlers/client.py: the num_data scale is "
-                   "num_data / jnp.sum(mask), an int64 sum under x64, so a float64 scale that "
-                   "turns every scaled float32 log density into float64 (outside this task's "
-                   "files; cast it to the site's dtype there)")
 def test_client_num_data_scale_keeps_float32(data32):
     X, _, y = data32
     tr = handlers.trace(handlers.substitute(

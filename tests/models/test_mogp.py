@@ -102,9 +102,12 @@ def test_kernels_are_psd_with_diag_phi0(kernel):
     K = mogp.kernel(kernel, X, X, 2.0, 0.3)
     assert np.allclose(np.diag(K), 2.0)
     assert np.linalg.eigvalsh(np.asarray(K)).min() > -1e-10
-    if kernel == "rbf":
-        d2 = float(jnp.sum((X[0] - X[1]) ** 2))
-        assert np.isclose(K[0, 1], 2.0 * np.exp(-0.15 * d2))
+    d1, d2 = float(jnp.sum(jnp.abs(X[0] - X[1]))), float(jnp.sum((X[0] - X[1]) ** 2))
+    closed = {"rbf": 2.0 * np.exp(-0.15 * d2), "laplace": 2.0 * np.exp(-0.15 * d1),
+              "cauchy": 2.0 / (0.3 * d2 + 1.0),
+              "linear": 2.0 * float(X[0] @ X[1]) / float(jnp.linalg.norm(X[0]) *
+                                                         jnp.linalg.norm(X[1]))}
+    assert np.isclose(K[0, 1], closed[kernel], rtol=1e-10)
 
 
 def test_numpyro_model_log_density_matches_manual():
