@@ -207,6 +207,9 @@ class FederatedMethod:
         seconds = time.perf_counter() - t0
         new = RunState(server, cstates, state.data, state.masks, rng_key, state.round + 1)
         active = np.asarray(active)
+        # what left the clients this round, stacked on the client axis (rows of clients that
+        # did not take part were never sent): fedppl.audit reads it
+        self.last_messages, self.last_active = msgs, active
         refused = self._refused(replies, active) & active
         n = int(active.sum())
         info = {"round": new.round, "seconds": seconds, "messages_up": n, "messages_down": n,
