@@ -35,7 +35,8 @@ Example::
 
 from __future__ import annotations
 
-from typing import NamedTuple, cast
+from collections.abc import Callable
+from typing import Any, NamedTuple, cast
 
 import jax
 import jax.numpy as jnp
@@ -84,12 +85,12 @@ def tril_size(n: int) -> int:
     return n * (n + 1) // 2
 
 
-def _dpo_diag(pseudo: Pseudo, prec: Array, Z: Array, hyper: SEParams, L: Array
-              ) -> tuple[Array, Array]:
-    V = pseudo.V.reshape(-1, Z.shape[1])
-    W = jsl.solve_triangular(L, hyper.kernel(Z, V), lower=True)
-    w = prec.reshape(-1)
-    return (W * w) @ W.T, W @ (w * pseudo.m.reshape(-1))
+def _dpo_diag_one(pseudo: Pseudo, prec: Array, Z: Array, hyper: SEParams, L: Array
+                  ) -> tuple[Array, Array]:
+    """One client's diagonal DPO factor, whitened: ``(W diag(prec) W', W diag(prec) m)`` with
+    ``W = L^-1 K_ZV``."""
+    W = jsl.solve_triangular(L, hyper.kernel(Z, pseudo.V), lower=True)
+    return (W * prec) @ W.T, W @ (prec * pseudo.m)
 
 
 def _dpo_full_one(pseudo: Pseudo, mask: Array, Z: Array, hyper: SEParams, L: Array
@@ -102,6 +103,25 @@ def _dpo_full_one(pseudo: Pseudo, mask: Array, Z: Array, hyper: SEParams, L: Arr
     return G.T @ G, G.T @ r                          # G = S^-1/2 K_VZ L^-T
 
 
+def _streamed(one: Callable[..., tuple[Array, Array]], stacked: Any, weights: Array, Z: Array,
+              hyper: SEParams, L: Array) -> tuple[Array, Array]:
+    """``sum_k weights[k] * one(stacked[k], Z, hyper, L)`` streamed over the client axis
+    (``lax.scan``): the memory is one client's share, not K of them, also under ``vmap`` over
+    the K clients that each need the others' sum (K^2 otherwise), and in the gradient (the body
+    is recomputed). The weights stay apart from the stacked factors, so that a client's own
+    weights (every factor but its own) do not copy all K factors."""
+    M = L.shape[0]
+    body = jax.checkpoint(lambda x: one(*x, Z, hyper, L))
+
+    def add(total: tuple[Array, Array], xw: tuple[Any, Array]
+            ) -> tuple[tuple[Array, Array], None]:
+        A, c = body(xw[0])
+        return (total[0] + xw[1] * A, total[1] + xw[1] * c), None
+
+    zero = (jnp.zeros((M, M), L.dtype), jnp.zeros(M, L.dtype))
+    return jax.lax.scan(add, zero, (stacked, weights))[0]
+
+
 def _cpo_prec(s_raw: Array | np.ndarray) -> Array:
     R = lower_cholesky(s_raw)
     return R @ R.T
@@ -112,13 +132,13 @@ def summed_stats(kind: str, cov: str, pseudo: Pseudo, mask: Array, weights: Arra
     """Whitened ``(A, c) = (L^-1 B L^-T, L^-1 b)`` of ``sum_k w_k`` factor k (stacked on axis 0),
     with ``L = chol(K_ZZ + jitter)``."""
     if kind == "opt":
-        return _dpo_diag(pseudo, weights[:, None] * mask / hyper.noise**2, Z, hyper, L)
+        A, c = _streamed(_dpo_diag_one, (pseudo, mask.astype(L.dtype)), weights, Z, hyper, L)
+        return A / hyper.noise**2, c / hyper.noise**2
     if kind == "dpo" and cov == "diag":
-        prec = weights[:, None] * mask * jnp.exp(-pseudo.s_raw)
-        return _dpo_diag(pseudo, prec, Z, hyper, L)
+        prec = mask * jnp.exp(-pseudo.s_raw)
+        return _streamed(_dpo_diag_one, (pseudo, prec), weights, Z, hyper, L)
     if kind == "dpo":
-        As, cs = jax.vmap(_dpo_full_one, (0, 0, None, None, None))(pseudo, mask, Z, hyper, L)
-        return jnp.tensordot(weights, As, 1), jnp.tensordot(weights, cs, 1)
+        return _streamed(_dpo_full_one, (pseudo, mask), weights, Z, hyper, L)
     if kind == "cpo":  # B = K P K, b = K n  =>  A = L' P L, c = L' n
         precs = jax.vmap(_cpo_prec)(pseudo.s_raw)
         Pm = jnp.tensordot(weights, precs, 1)
