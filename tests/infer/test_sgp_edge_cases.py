@@ -1,0 +1,60 @@
+"""The sparse GPs' stated behaviour at the edges (issue 17's bad input): a client with fewer
+points than inducing points runs and keeps the server state finite; more inducing points than
+pooled data is refused before anything compiles; duplicate fixed inducing inputs warn (only the
+jitter keeps K_ZZ invertible) and still give a finite state."""
+
+from __future__ import annotations
+
+import jax
+import numpy as np
+import pytest
+
+import fedppl
+
+SGP = ("dpo", "cpo", "fedavg-z", "fixed", "global")
+
+
+def _clients(sizes, seed=0):
+    rng = np.random.default_rng(seed)
+    parts = []
+    for n in sizes:
+        X = rng.uniform(-3, 3, (n, 1))
+        parts.append((X, np.sin(X[:, 0])))
+    return fedppl.Clients.from_list(parts)
+
+
+def _front(method, **settings):
+    if method == "fsgp":
+        return fedppl.FSGP(local_steps=3, **settings)
+    return fedppl.FederatedSGP(method, local_steps=3, inner_steps=3, **settings)
+
+
+def _finite(tree):
+    leaves = [np.asarray(x) for x in jax.tree.leaves(tree)]
+    return all(np.all(np.isfinite(x)) for x in leaves if np.issubdtype(x.dtype, np.floating))
+
+
+@pytest.mark.parametrize("method", [*SGP, "fsgp"])
+def test_a_client_with_fewer_points_than_inducing_points_runs(method):
+    result = _front(method, num_inducing=5).run(jax.random.key(0), _clients([30, 2, 30]), 2,
+                                                progress_bar=False)
+    objective = result.history["bound" if method == "fsgp" else "free_energy"]
+    state = (result.params, result.stats) if method == "fsgp" else result.state
+    assert np.all(np.isfinite(objective)) and _finite(state)
+    assert result.history["rejected"].tolist() == [0, 0]
+
+
+@pytest.mark.parametrize("method", [*SGP, "fsgp"])
+def test_more_inducing_points_than_data_is_refused(method):
+    with pytest.raises(ValueError, match=r"num_inducing.*exceeds the total number of training"):
+        _front(method, num_inducing=50).run(jax.random.key(0), _clients([10, 10, 10]), 1,
+                                            progress_bar=False)
+
+
+@pytest.mark.parametrize("method", SGP)
+def test_duplicate_fixed_inducing_inputs_warn_and_stay_finite(method):
+    Z = np.array([[0.0], [0.0], [1.0], [1.0]])
+    with pytest.warns(UserWarning, match="duplicate rows"):
+        result = _front(method, num_inducing=4, fixed_inducing=Z).run(
+            jax.random.key(0), _clients([20, 20]), 2, progress_bar=False)
+    assert np.all(np.isfinite(result.history["free_energy"])) and _finite(result.state)
