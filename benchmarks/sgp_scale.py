@@ -54,12 +54,7 @@ def measure(method: str, K: int, points: int, inducing: int, local_steps: int,
     clients = fedppl.partition.homogeneous(X, y, num_clients=K, seed=0)
     front = build(method, inducing, local_steps)
     state = front.init(jax.random.key(0), clients)
-    n = state.masks.shape[0]  # K, or 1 for "global" (the pooled data on one client)
-    keys = jax.random.split(jax.random.key(1), n)
-    args = (state.server, state.clients, state.data, state.masks, keys, np.ones(n, bool),
-            jax.random.key(2))
-    compiled = jax.jit(front._round_fn).lower(*args).compile()
-    temp = compiled.memory_analysis().temp_size_in_bytes
+    temp = front.lower_round(state).compile().memory_analysis().temp_size_in_bytes
     times = []
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", RuntimeWarning)  # rejected updates are not timed here

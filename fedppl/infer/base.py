@@ -220,6 +220,15 @@ class FederatedMethod:
         info.update(self._record(state, new, msgs, replies, active, spare))
         return new, info
 
+    def lower_round(self, state: RunState) -> Any:
+        """The next round as XLA sees it (``jax.stages.Lowered``), with the inputs ``update``
+        would give it, for inspection: ``.compile().memory_analysis()``, ``.cost_analysis()``."""
+        if not hasattr(self, "_round_fn"):
+            raise RuntimeError(f"call {type(self).__name__}.init(rng_key, clients) first")
+        _, keys, active, server_key, _ = self._round_inputs(state)
+        return jax.jit(self._round_fn).lower(state.server, state.clients, state.data,
+                                             state.masks, keys, active, server_key)
+
     def run(self, rng_key: Array, clients: Clients, num_rounds: int, *,
             progress_bar: bool = True, **kwargs: Any) -> Result:
         """``init``, then ``num_rounds`` calls of ``update``; returns the method's result."""

@@ -18,11 +18,7 @@ def _round_memory(num_clients: int, covariance: str) -> int:
     method = fedppl.FederatedSGP("dpo", num_inducing=5, local_steps=2, covariance=covariance,
                                  schedule="synchronous")
     state = method.init(jax.random.key(0), clients)
-    keys = jax.random.split(jax.random.key(1), num_clients)
-    args = (state.server, state.clients, state.data, state.masks, keys,
-            np.ones(num_clients, bool), jax.random.key(2))
-    compiled = jax.jit(method._round_fn).lower(*args).compile()
-    return compiled.memory_analysis().temp_size_in_bytes
+    return method.lower_round(state).compile().memory_analysis().temp_size_in_bytes
 
 
 @pytest.mark.parametrize("covariance", ["diag", "full"])
