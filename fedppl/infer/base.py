@@ -135,6 +135,12 @@ class FederatedMethod:
 
     name = "method"
     schedule = "synchronous"
+    # Who runs the rounds: None for the embedded runtime (fedppl.runtime.make_round), else a
+    # ``runtime(trio, schedule) -> round function`` of the same signature (a Flower server's).
+    runtime: Any = None
+    # False where the server holds only stand-ins for the clients' data (a deployment): history
+    # columns that need the data (a global ELBO, a bound) are then left out.
+    data_at_server = True
     clients_per_round: int | None = None
     refusal = "update not accepted"
 
@@ -188,10 +194,13 @@ class FederatedMethod:
         rng_key = validation.rng_key(rng_key)
         rng_key, k_setup = jax.random.split(rng_key)
         trio, schedule, server, cstates = self._setup(k_setup, clients, **kwargs)
-        cache = self.__dict__.setdefault("_rounds", {})
-        if (trio, schedule) not in cache:
-            cache[(trio, schedule)] = make_round(trio, schedule)
-        self._round_fn = cache[(trio, schedule)]
+        if self.runtime is not None:  # a deployment's rounds (fedppl.runtime.flower)
+            self._round_fn = self.runtime(trio, schedule)
+        else:
+            cache = self.__dict__.setdefault("_rounds", {})
+            if (trio, schedule) not in cache:
+                cache[(trio, schedule)] = make_round(trio, schedule)
+            self._round_fn = cache[(trio, schedule)]
         self._names = clients.names
         return RunState(server, cstates, clients.stacked, clients.mask, rng_key, 0)
 

@@ -177,6 +177,10 @@ class FSGP(FederatedMethod):
 
     def _setup(self, rng_key: Array, clients: Clients, **kwargs: Any):
         cfg, z_key = self.config, kwargs["z_key"]
+        if not self.data_at_server and cfg.init_inducing != "random-normal":
+            raise ValueError(f"init_inducing={cfg.init_inducing!r} draws the inducing inputs from "
+                             "the pooled data, which a deployment's server does not hold: use "
+                             "init_inducing='random-normal'")
         D = clients.data[0][0].shape[1]
         params = alg.init_params(_init_inducing(clients, cfg, D, z_key), cfg.init_lengthscale,
                                  cfg.init_variance, cfg.init_noise)
@@ -213,6 +217,8 @@ class FSGP(FederatedMethod):
                           "used", RuntimeWarning, stacklevel=4)
         if self._phase != alg.TRAIN:
             return {}
+        if not self.data_at_server:
+            return {"bound": np.nan}
         X, y = after.data
         bounds = _bounds(after.server.params, X, y, after.masks, float(self.config.jitter))
         return {"bound": float(jnp.sum(bounds))}

@@ -334,8 +334,10 @@ class PVI(FederatedMethod):
                "local_iterations": np.where(active, np.asarray(msgs.iterations, float), np.nan),
                "step": np.where(active, np.asarray(steps, float), np.nan),
                "kl_change": float(_kl_change(q_new, q_old))}
-        row["elbo"] = (float(self._elbo(after.server, after.clients, after.data, after.masks,
-                                        rng_key)) if self._elbo is not None else np.nan)
+        row["elbo"] = np.nan
+        if self._elbo is not None and self.data_at_server:
+            row["elbo"] = float(self._elbo(after.server, after.clients, after.data, after.masks,
+                                           rng_key))
         return row
 
     def _result(self, state, history, rejected) -> PVIResult:

@@ -1,0 +1,685 @@
+"""The Flower runtime: any fedppl method on Flower's Simulation or Deployment Engine.
+
+:class:`FlowerApp` turns a :class:`Task` (a method, how a node loads its partition, the rounds
+and the seed) into a Flower ``ServerApp`` and ``ClientApp`` that drive the method's
+:class:`~fedppl.algorithms.trio.Trio`, as the embedded runtime does, with nothing
+method-specific:
+
+* **set-up** (one ``query.setup`` exchange): each node loads its partition and reports its name,
+  its number of rows and its arrays' shapes and dtypes (no values). The server runs the method's
+  own ``init`` on a stand-in for the clients with those shapes, every value 1 (so a set-up that
+  reads data values, such as FSGP's ``init_inducing="data"``, is refused: the server holds no
+  data), and sends each node its initial client state. Each node builds the same trio from its
+  own data, which also checks that its data fit the model (an error names the node);
+* **a round** (``train``): the server sends each taking-part node its broadcast (the server
+  state), its key (the keys :meth:`~fedppl.infer.base.FederatedMethod.update` would use, so the
+  answer is the embedded runtime's) and the server's reply to its previous message; the node
+  applies that reply (``acknowledge``), runs ``client_update`` on its own data and state, keeps
+  the proposed state in its Flower context, and sends back only the message. Synchronous rounds
+  send to every node at once; sequential rounds one node at a time, the server updating after
+  each. A server that scores candidates on the clients' data (FedBNR's evaluation, PVI's line
+  search) asks them in ``evaluate`` exchanges from inside ``server_update``;
+* **faults**: a node that does not answer within ``round_timeout`` seconds, answers with an
+  error, or sends a message of the wrong structure, shape or dtype takes no part in that round's
+  ``server_update`` (``received`` is False for it), and ``result.rejected`` records the round,
+  the node and the reason. The method's own server rejects implausible content. A late answer
+  is never read: Flower keeps it until its time-to-live and the server does not pull it; the
+  node learns at its next contact that its update was not applied (the server's reply for a
+  client that was not received) and keeps its old state.
+
+The server keeps its record of each client's state by applying its replies to the client's
+messages; what a client never sends (local latent variables) stays with the client.
+
+Example (Bayesian linear regression on 3 simulated nodes; needs ``pip install fedppl[flower]``,
+and takes a few seconds to start Ray)::
+
+    >>> import numpy as np, fedppl
+    >>> from fedppl.models import linear_regression
+    >>> from fedppl.runtime.flower import FlowerApp, Task
+    >>> rng = np.random.default_rng(0)
+    >>> X = rng.normal(size=(90, 2))
+    >>> clients = fedppl.partition.homogeneous(X, X @ np.ones(2), num_clients=3, seed=0)
+    >>> def task(run_config):
+    ...     pvi = fedppl.PVI(linear_regression, fedppl.PVIGuide(linear_regression))
+    ...     return Task(pvi, clients.client, clients.num_clients, num_rounds=2)
+    >>> result = FlowerApp(task).simulate()  # doctest: +SKIP
+    >>> result.history["messages_up"].tolist()  # doctest: +SKIP
+    [3, 3]
+"""
+
+from __future__ import annotations
+
+import os
+import time
+import uuid
+from collections.abc import Callable, Mapping
+from typing import Any, NamedTuple, cast
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from fedppl.clients import Clients
+
+try:
+    os.environ.setdefault("FLWR_TELEMETRY_ENABLED", "0")
+    from flwr.app import ArrayRecord, ConfigRecord, Context, Message, RecordDict
+    from flwr.clientapp import ClientApp
+    from flwr.serverapp import Grid, ServerApp
+except ImportError as err:  # pragma: no cover - the extra is installed by make test
+    raise ImportError("fedppl.runtime.flower needs Flower: pip install 'fedppl[flower]'") from err
+
+__all__ = ["Task", "FlowerApp", "FlowerError", "pack", "unpack"]
+
+
+class FlowerError(RuntimeError):
+    """A deployment that cannot go on (too few nodes, a set-up a node refused)."""
+
+
+class Task(NamedTuple):
+    """What a Flower app runs, built on every process from the run's config.
+
+    ``method``: a fedppl method (``fedppl.PVI``, ``fedppl.FSGP``...); ``load_partition(k)``: the
+    arrays of partition ``k`` (called only on the node that holds it); ``num_clients``: how many
+    nodes to wait for; ``num_rounds`` and ``run_kwargs`` go to ``method.run`` (with
+    ``jax.random.key(seed)``); ``round_timeout``: seconds the server waits for a round's answers
+    (None: until every node answers); ``connect_timeout``: seconds the server waits for
+    ``num_clients`` nodes to connect.
+    """
+
+    method: Any
+    load_partition: Callable[[int], tuple]
+    num_clients: int
+    num_rounds: int
+    seed: int = 0
+    run_kwargs: Mapping[str, Any] = {}
+    round_timeout: float | None = None
+    connect_timeout: float = 120.0
+
+
+# -- pytrees on the wire ---------------------------------------------------------------------------
+
+
+def pack(tree: Any) -> ArrayRecord:
+    """A pytree's leaves as an ``ArrayRecord`` (keys ``"0"``, ``"1"``...; PRNG keys as their data).
+
+    >>> import jax.numpy as jnp
+    >>> record = pack({"a": jnp.ones(2), "b": jnp.zeros((1, 3))})
+    >>> [a.shape for a in record.to_numpy_ndarrays()]
+    [(2,), (1, 3)]
+    """
+    return ArrayRecord([np.asarray(jax.random.key_data(x) if _is_key(x) else x)
+                        for x in jax.tree_util.tree_leaves(tree)])
+
+
+def unpack(record: Any, like: Any, who: str = "a peer", what: str = "message") -> Any:
+    """The pytree shaped as ``like`` (arrays or ``jax.ShapeDtypeStruct``) from ``record``, after
+    checking the number of leaves and each leaf's shape and dtype: a ``ValueError`` names ``who``
+    and the first mismatch."""
+    leaves, treedef = jax.tree_util.tree_flatten(like)
+    got = record.to_numpy_ndarrays()
+    if len(got) != len(leaves):
+        raise ValueError(f"{who} sent a {what} with {len(got)} arrays, expected {len(leaves)}")
+    out = []
+    for i, (a, want) in enumerate(zip(got, leaves, strict=True)):
+        if _is_key(want):
+            want_shape = jax.eval_shape(jax.random.key_data, want).shape
+            want_dtype: Any = np.uint32
+        else:
+            want_shape, want_dtype = tuple(np.shape(want)), np.dtype(want.dtype)
+        if tuple(a.shape) != tuple(want_shape) or a.dtype != want_dtype:
+            raise ValueError(f"{who} sent a {what} whose array {i} has shape {a.shape} and dtype "
+                             f"{a.dtype}, expected {tuple(want_shape)} and {np.dtype(want_dtype)}")
+        out.append(jax.random.wrap_key_data(jnp.asarray(a)) if _is_key(want) else jnp.asarray(a))
+    return jax.tree_util.tree_unflatten(treedef, out)
+
+
+def _is_key(x: Any) -> bool:
+    return jnp.issubdtype(getattr(x, "dtype", np.float64), jax.dtypes.prng_key)
+
+
+def _index(tree: Any, k: int) -> Any:
+    return jax.tree_util.tree_map(lambda x: x[k], tree)
+
+
+def _stack(trees: list) -> Any:
+    return jax.tree_util.tree_map(lambda *xs: jnp.stack(xs), *trees)
+
+
+def _shapes(tree: Any) -> Any:
+    return jax.tree_util.tree_map(lambda x: jax.ShapeDtypeStruct(jnp.shape(x), x.dtype), tree)
+
+
+# A process's tasks and nodes' compiled trios, kept between messages (a Simulation Engine worker
+# or a long-lived ClientApp process handles many).
+_TASKS: dict[tuple, Task] = {}
+_BUILT: dict[tuple, Any] = {}
+
+
+# -- the app ---------------------------------------------------------------------------------------
+
+
+class FlowerApp:
+    """A Flower ``ServerApp`` and ``ClientApp`` from ``task(run_config) -> Task``.
+
+    ``task`` runs on the server and on every node with the run's config (``flwr run -c``); it
+    must build the same method everywhere. :meth:`simulate` runs the app on Flower's Simulation
+    Engine in this process and returns the method's result; on the Deployment Engine
+    (``flwr run``), the ServerApp writes ``result.json`` and the server state (``state.npz``) to
+    the run config's ``result-dir``, when given.
+    """
+
+    def __init__(self, task: Callable[[Mapping[str, Any]], Task]):
+        self.task = task
+        # names this app's entries in a process's caches (a copy Ray unpickles keeps it)
+        self.token = uuid.uuid4().hex
+        self.result: Any = None
+        self.server_state: Any = None
+        self.fixed_config: dict[str, Any] | None = None  # simulate's run config, for the nodes
+
+    def _task(self, run_config: Mapping[str, Any]) -> Task:
+        if self.fixed_config is not None:
+            run_config = self.fixed_config
+        key = (self.token, tuple(sorted((k, repr(v)) for k, v in run_config.items())))
+        if key not in _TASKS:
+            _TASKS[key] = self.task(run_config)
+        return _TASKS[key]
+
+    def server_app(self) -> ServerApp:
+        app = ServerApp()
+
+        @app.main()
+        def main(grid: Grid, context: Context) -> None:
+            run_config = dict(context.run_config)
+            server = _Server(grid, self.task(run_config))
+            self.result = server.run()
+            self.server_state = server.server_state
+            out = run_config.get("result-dir")
+            if out:
+                os.makedirs(str(out), exist_ok=True)
+                self.result.to_json(os.path.join(str(out), "result.json"))
+                leaves = jax.tree_util.tree_leaves(self.server_state)
+                np.savez(os.path.join(str(out), "state.npz"),
+                         *[np.asarray(jax.random.key_data(x) if _is_key(x) else x)
+                           for x in leaves])
+
+        return app
+
+    def client_app(self) -> ClientApp:
+        app = ClientApp()
+
+        @app.query("setup")
+        def setup(msg: Message, context: Context) -> Message:
+            return _Node(self, context).setup(msg)
+
+        @app.train()
+        def train(msg: Message, context: Context) -> Message:
+            return _Node(self, context).train(msg)
+
+        @app.evaluate()
+        def evaluate(msg: Message, context: Context) -> Message:
+            return _Node(self, context).evaluate(msg)
+
+        @app.query("finish")
+        def finish(msg: Message, context: Context) -> Message:
+            return _Node(self, context).finish(msg)
+
+        return app
+
+    def simulate(self, run_config: Mapping[str, Any] | None = None, *,
+                 num_supernodes: int | None = None, verbose: bool = False) -> Any:
+        """Run on Flower's Simulation Engine (Ray; the ServerApp in this process, the ClientApps
+        in Ray's workers) with ``run_config``; returns the method's result (and keeps the last
+        server state as ``self.server_state``)."""
+        from flwr.simulation import run_simulation
+
+        run_config = dict(run_config or {})
+        task = self.task(run_config)
+        self.result, self.fixed_config = None, run_config
+        n = task.num_clients if num_supernodes is None else num_supernodes
+        server_app = ServerApp()
+
+        @server_app.main()
+        def main(grid: Grid, context: Context) -> None:
+            server = _Server(grid, task)
+            self.result = server.run()
+            self.server_state = server.server_state
+
+        run_simulation(server_app, self.client_app(), num_supernodes=n,
+                       backend_config={"client_resources": {"num_cpus": 1, "num_gpus": 0.0},
+                                       "init_args": {"num_cpus": 1, "include_dashboard": False,
+                                                     "log_to_driver": verbose}},
+                       verbose_logging=verbose)
+        self.fixed_config = None
+        if self.result is None:
+            raise FlowerError("the simulated ServerApp did not finish; run with verbose=True "
+                              "to see Flower's log")
+        return self.result
+
+
+# -- the server ------------------------------------------------------------------------------------
+
+
+class _Server:
+    """The ServerApp's work for one run: set-up, then the method's own ``run`` with its rounds
+    (``method.runtime``) sent over Flower."""
+
+    def __init__(self, grid: Grid, task: Task):
+        self.grid, self.task = grid, task
+        self.faults: list[tuple[int, str, str]] = []
+        self.round = 0
+        self.traffic = np.zeros(4, np.int64)  # messages up, down, bytes up, down
+        self.pending: dict[int, tuple[int, Any]] = {}
+        self.wire: list[np.ndarray] = []
+
+    # one exchange with some clients: client k -> its answer, or why there is none
+    def _exchange(self, contents: dict[int, RecordDict], message_type: str,
+                  timeout: float | None) -> dict[int, RecordDict | str]:
+        out = []
+        for k, content in contents.items():
+            out.append(Message(content, dst_node_id=self.node_of[k], message_type=message_type,
+                               group_id=str(self.round)))
+            self.traffic[[1, 3]] += (1, _record_bytes(content))
+        by_node = {v: k for k, v in self.node_of.items()}
+        answers: dict[int, RecordDict | str] = {}
+        for m in self.grid.send_and_receive(out, timeout=timeout):
+            who = by_node.get(m.metadata.src_node_id)
+            if who is None or who not in contents:
+                continue
+            if m.has_error():
+                answers[who] = f"the node failed: {m.error.reason}"
+            else:
+                answers[who] = m.content
+                self.traffic[[0, 2]] += (1, _record_bytes(m.content))
+        for k in contents:
+            answers.setdefault(k, "no answer" + ("" if timeout is None else
+                                                 f" within {timeout:g} s"))
+        return answers
+
+    def _describe(self) -> Clients:
+        """Wait for the nodes, learn which partition each holds and its shapes; the stand-in
+        for the clients' data (every value 1) that the server's set-up runs on."""
+        K, wait = self.task.num_clients, self.task.connect_timeout
+        deadline = time.monotonic() + wait
+        while len(nodes := sorted(self.grid.get_node_ids())) < K:
+            if time.monotonic() > deadline:
+                raise FlowerError(f"only {len(nodes)} of {K} nodes connected within {wait:g} s")
+            time.sleep(0.2)
+        self.node_of = dict(enumerate(nodes))  # until each says which partition it holds
+        held: dict[int, tuple[int, dict]] = {}
+        x64 = RecordDict({"meta": ConfigRecord({"x64": bool(jax.config.read("jax_enable_x64"))})})
+        for k, a in self._exchange({k: x64 for k in self.node_of}, "query.setup",
+                                   120.0).items():
+            if isinstance(a, str):
+                raise FlowerError(f"node {self.node_of[k]} could not describe its data: {a}")
+            info: dict[str, Any] = dict(a.config_records["setup"])
+            held[int(info["partition"])] = (self.node_of[k], info)
+        missing = sorted(set(range(K)) - set(held))
+        if missing:
+            raise FlowerError(f"no node holds partitions {missing} (the nodes hold "
+                              f"{sorted(held)})")
+        self.node_of = {k: held[k][0] for k in range(K)}
+        data, names = [], []
+        for k in range(K):
+            info = held[k][1]
+            shapes = [tuple(int(d) for d in s.split(",") if d) for s in info["shapes"]]
+            data.append(tuple(np.ones((int(info["rows"]), *shape), dtype=np.dtype(t))
+                              for shape, t in zip(shapes, info["dtypes"], strict=True)))
+            names.append(str(info["name"]))
+        self.names = names
+        try:
+            return Clients.from_list(data, names=names)
+        except (ValueError, TypeError) as err:
+            raise FlowerError(f"the nodes' data do not fit together: {err}") from err
+
+    def run(self) -> Any:
+        stand_in = self._describe()
+        method, task = self.task.method, self.task
+        method.data_at_server = False
+        method.runtime = self._runtime(stand_in)
+        try:
+            result = method.run(jax.random.key(task.seed), stand_in, task.num_rounds,
+                                progress_bar=False, **dict(task.run_kwargs))
+        finally:
+            method.runtime = None
+        self._finish()
+        # what crossed the wire each round (the method's own counts are in the history)
+        wire = np.asarray(self.wire[:result.num_rounds]).reshape(-1, 4)
+        if len(wire) == result.num_rounds:
+            result.history.update({"wire_bytes_up": wire[:, 2], "wire_bytes_down": wire[:, 3]})
+        # a fault's own reason replaces the method's "not accepted" for the same client
+        faulted = {(r, who) for r, who, _ in self.faults}
+        result.rejected[:] = sorted(
+            [r for r in result.rejected if (r[0], r[1]) not in faulted] + self.faults,
+            key=lambda r: (r[0], self.names.index(r[1]) if r[1] in self.names else -1))
+        return result
+
+    def _who(self, k: int) -> str:
+        return f"{self.names[k]} (node {self.node_of[k]})"
+
+    def _runtime(self, stand_in: Clients) -> Callable:
+        K, rows = stand_in.num_clients, stand_in.max_size
+        started = [False]
+
+        def runtime(trio: Any, schedule: str) -> Callable:
+            jit = jax.jit if trio.jit else (lambda f, **kw: f)
+            evaluate = self._evaluator(trio, K)
+            server_update = jit(lambda s, m, i, r, k: trio.server_update(s, m, i, r, k, evaluate))
+            acknowledge = jit(jax.vmap(trio.acknowledge))
+
+            def round_fn(server, clients, data, masks, keys, active, server_key):
+                if not started[0]:
+                    self._start(clients, rows)
+                    started[0] = True
+                self.round += 1
+                before = self.traffic.copy()
+                self.clients_now, self._one_data = clients, (_index(data, 0), masks[0])
+                like = jax.eval_shape(trio.client_update, server, _index(clients, 0),
+                                      _index(data, 0), masks[0], keys[0], jnp.asarray(0))[0]
+                blank = jax.tree_util.tree_map(lambda s: jnp.zeros(s.shape, s.dtype), like)
+                if trio.begin_round is not None:
+                    server = trio.begin_round(server, server_key)
+                taking = [k for k in range(K) if bool(active[k])]
+                if schedule == "sequential":
+                    msgs, replies = {}, {}
+                    one_update = jit(lambda s, m, i, r, k: trio.server_update(s, m, i, r, k,
+                                                                              None))
+                    for k in taking:
+                        got = self._train({k}, server, keys, like)
+                        msg = got.get(k, blank)
+                        server, reply = one_update(server, _stack([msg]), jnp.asarray([k]),
+                                                   jnp.asarray([k in got]),
+                                                   jax.random.fold_in(server_key, k))
+                        msgs[k], replies[k] = msg, _index(reply, 0)
+                    replies_all = _fill(replies, K)
+                else:
+                    msgs = self._train(set(taking), server, keys, like)
+                    received = jnp.asarray([k in msgs for k in range(K)])
+                    server, replies_all = server_update(
+                        server, _stack([msgs.get(k, blank) for k in range(K)]), jnp.arange(K),
+                        received, server_key)
+                for k in taking:
+                    self.pending[k] = (self.round, _index(replies_all, k))
+                stacked = _stack([msgs.get(k, blank) for k in range(K)])
+                # the server's record of each client: its state with the replies applied (what
+                # the server never sees, such as a private guide, stays as it was)
+                clients = acknowledge(clients, stacked, replies_all, clients)
+                self.server_state = server
+                self.wire.append(self.traffic - before)
+                return server, clients, stacked, replies_all
+
+            return round_fn
+
+        return runtime
+
+    def _start(self, clients: Any, rows: int) -> None:
+        """Send each node its initial state (the second set-up exchange)."""
+        contents = {k: RecordDict({"client": pack(_index(clients, k)),
+                                   "meta": ConfigRecord({"index": k, "rows": rows})})
+                    for k in self.node_of}
+        for k, a in self._exchange(contents, "query.setup", 300.0).items():
+            if isinstance(a, str):
+                raise FlowerError(f"{self._who(k)} could not set up: {a}")
+
+    def _train(self, ks: set[int], server: Any, keys: Any, like: Any) -> dict[int, Any]:
+        """One ``train`` exchange: the messages that arrived and passed the checks."""
+        contents = {}
+        for k in sorted(ks):
+            meta: dict[str, Any] = {"round": self.round, "reply_round": -1}
+            content = RecordDict({"server": pack(server), "key": pack(keys[k])})
+            if k in self.pending:
+                meta["reply_round"], reply = self.pending.pop(k)
+                content["reply"] = pack(reply)
+            content["meta"] = ConfigRecord(meta)
+            contents[k] = content
+        msgs = {}
+        for k, a in self._exchange(contents, "train", self.task.round_timeout).items():
+            try:
+                if isinstance(a, str):
+                    raise ValueError(a)
+                msgs[k] = unpack(a["message"], like, self._who(k))
+            except (ValueError, KeyError) as err:
+                self.faults.append((self.round, self.names[k], str(err)))
+        return msgs
+
+    def _evaluator(self, trio: Any, K: int) -> Callable | None:
+        """``evaluate(candidate) -> (K, ...)`` by an ``evaluate`` exchange (a host callback
+        inside the compiled server update)."""
+        if trio.client_evaluate is None:
+            return None
+
+        def evaluate(candidate):
+            clients = self.clients_now
+            one = jax.eval_shape(trio.client_evaluate, candidate, _index(clients, 0),
+                                 *self._one_data)
+
+            def exchange(candidate):
+                answers = self._exchange({k: RecordDict({"candidate": pack(candidate)})
+                                          for k in range(K)}, "evaluate",
+                                         self.task.round_timeout)
+                rows = []
+                for k in range(K):
+                    try:
+                        a = answers[k]
+                        if isinstance(a, str):
+                            raise ValueError(a)
+                        rows.append(unpack(a["value"], one, self._who(k), "evaluation"))
+                    except (ValueError, KeyError) as err:
+                        self.faults.append((self.round, self.names[k], str(err)))
+                        rows.append(jax.tree_util.tree_map(
+                            lambda s: np.full(s.shape, np.nan, s.dtype), one))
+                return jax.tree_util.tree_map(lambda *xs: np.stack(xs), *rows)
+
+            like = jax.tree_util.tree_map(lambda s: jax.ShapeDtypeStruct((K, *s.shape), s.dtype),
+                                          one)
+            return jax.pure_callback(exchange, like, candidate)
+
+        return evaluate
+
+    def _finish(self) -> None:
+        """Send every node the reply to its last message, so that its state is final."""
+        contents = {}
+        for k in sorted(self.pending):
+            r, reply = self.pending.pop(k)
+            contents[k] = RecordDict({"reply": pack(reply),
+                                      "meta": ConfigRecord({"reply_round": r})})
+        if contents:
+            for k, a in self._exchange(contents, "query.finish", 60.0).items():
+                if isinstance(a, str):
+                    self.faults.append((self.round, self.names[k],
+                                        f"final acknowledgement not delivered: {a}"))
+
+
+def _fill(replies: dict[int, Any], K: int) -> Any:
+    if not replies:
+        raise FlowerError("no client takes part in this round")
+    blank = jax.tree_util.tree_map(jnp.zeros_like, next(iter(replies.values())))
+    return _stack([replies.get(k, blank) for k in range(K)])
+
+
+def _record_bytes(content: RecordDict) -> int:
+    return int(sum(a.numpy().nbytes for rec in content.array_records.values()
+                   for a in rec.values()))
+
+
+# -- a node ----------------------------------------------------------------------------------------
+
+
+class _Built(NamedTuple):
+    """What a node derives once from the task and its own data: the trio (compiled), the
+    structures of what the server sends, and its padded data."""
+
+    trio: Any
+    client_update: Callable
+    acknowledge: Callable
+    evaluate: Callable | None
+    server: Any  # the broadcast's shapes (as this node's own set-up has them)
+    client: Any  # this node's state's
+    message: Any  # its message's
+    reply: Any  # the server's reply's
+    candidate: Any  # an evaluation candidate's (None: no evaluation exchange)
+    data: tuple
+    mask: Any
+
+
+class _Node:
+    """One message's work on a node (a ClientApp may run in a fresh process per message: what
+    lasts between messages is in ``context.state``)."""
+
+    def __init__(self, app: FlowerApp, context: Context):
+        self.app, self.context = app, context
+        self.task = app._task(dict(context.run_config))
+        self.partition = int(context.node_config.get("partition-id", 0))
+
+    def _arrays(self) -> tuple:
+        return tuple(np.asarray(a) for a in self.task.load_partition(self.partition))
+
+    def _built(self, rows: int) -> _Built:
+        key = (self.app.token, id(self.task), self.partition, rows)
+        if key not in _BUILT:
+            _BUILT[key] = self._build(rows)
+        return _BUILT[key]
+
+    def _build(self, rows: int) -> _Built:
+        arrays = self._arrays()
+        n = arrays[0].shape[0]
+        if n > rows:
+            raise ValueError(f"partition {self.partition} has {n} rows, the server set up {rows}")
+        # The method's own run on this node's data (which checks that they fit the model) up to
+        # its first round: the trio and this node's states, as the server's set-up has them.
+        method = self.task.method
+        seen: dict[str, Any] = {}
+
+        def runtime(trio, schedule):
+            def capture(server, clients, data, masks, keys, active, server_key):
+                seen.update(trio=trio, server=server, client=_index(clients, 0))
+                raise _Captured
+
+            return capture
+
+        method.runtime = runtime
+        try:
+            method.run(jax.random.key(self.task.seed), Clients.from_list([arrays]), 1,
+                       progress_bar=False, **dict(self.task.run_kwargs))
+        except _Captured:
+            pass
+        finally:
+            method.runtime = None
+        trio, server, client = seen["trio"], _shapes(seen["server"]), _shapes(seen["client"])
+        data = tuple(jnp.asarray(np.concatenate([a, np.zeros((rows - n, *a.shape[1:]), a.dtype)]))
+                     for a in arrays)
+        mask = jnp.asarray(np.arange(rows) < n)
+        msg = jax.eval_shape(trio.client_update, server, client, data, mask,
+                             jax.random.key(0), jnp.asarray(0))[0]
+        candidates: list = []
+
+        def capture(candidate):  # what the server's evaluation exchange sends
+            candidates.append(_shapes(candidate))
+            one = jax.tree_util.tree_map(lambda s: jnp.zeros((1, *s.shape), s.dtype), client)
+            return jax.vmap(trio.client_evaluate, (None, 0, 0, 0))(
+                candidate, one, tuple(d[None] for d in data), mask[None])
+
+        evaluate = None if trio.client_evaluate is None else capture
+        stacked = jax.tree_util.tree_map(lambda s: jax.ShapeDtypeStruct((1, *s.shape), s.dtype),
+                                         msg)
+        reply = jax.eval_shape(
+            lambda s, m: trio.server_update(s, m, jnp.zeros(1, int), jnp.ones(1, bool),
+                                            jax.random.key(0), evaluate), server, stacked)[1]
+        jit = jax.jit if trio.jit else (lambda f: f)
+        return _Built(trio, jit(trio.client_update), jit(trio.acknowledge),
+                      None if trio.client_evaluate is None else jit(trio.client_evaluate),
+                      server, client, msg,
+                      jax.tree_util.tree_map(lambda s: jax.ShapeDtypeStruct(s.shape[1:], s.dtype),
+                                             reply),
+                      candidates[0] if candidates else None, data, mask)
+
+    def _meta(self) -> dict[str, Any]:
+        state = self.context.state
+        return dict(state["fedppl.meta"]) if "fedppl.meta" in state.config_records else {}
+
+    def _save(self, client: Any, meta: dict) -> None:
+        self.context.state["fedppl.client"] = pack(client)
+        self.context.state["fedppl.meta"] = ConfigRecord(meta)
+
+    def _held(self, name: str, built: _Built) -> Any:
+        return unpack(self.context.state[name], built.client, "this node", "state")
+
+    def setup(self, msg: Message) -> Message:
+        content = msg.content
+        if "client" not in content.array_records:  # the first exchange: describe the data
+            # the server's precision (before this process makes any array)
+            jax.config.update("jax_enable_x64", bool(content.config_records["meta"]["x64"]))
+            arrays = self._arrays()
+            info = ConfigRecord({
+                "partition": self.partition, "name": f"client {self.partition}",
+                "rows": int(arrays[0].shape[0]),
+                "shapes": [",".join(str(d) for d in a.shape[1:]) for a in arrays],
+                "dtypes": [str(a.dtype) for a in arrays]})
+            return Message(RecordDict({"setup": info}), reply_to=msg)
+        meta: dict[str, Any] = dict(content.config_records["meta"])
+        built = self._built(int(meta["rows"]))
+        client = unpack(content["client"], built.client, "the server", "client state")
+        self._save(client, {"index": int(meta["index"]), "rows": int(meta["rows"]),
+                            "pending": -1})
+        return Message(RecordDict({"ok": ConfigRecord({"ok": True})}), reply_to=msg)
+
+    def _acknowledge(self, built: _Built, content: RecordDict, meta: dict) -> Any:
+        """This node's state after the server's reply to its pending message (if any): a reply
+        to an older message (its answer came too late) leaves the state as it was."""
+        client = self._held("fedppl.client", built)
+        pending = int(meta["pending"])
+        if pending >= 0 and "reply" in content.array_records:
+            if int(cast(int, content.config_records["meta"]["reply_round"])) == pending:
+                msg = _unflatten(self.context.state["fedppl.message"], built.message)
+                reply = _unflatten(content["reply"], built.reply)
+                client = built.acknowledge(client, msg, reply,
+                                           self._held("fedppl.proposed", built))
+            meta["pending"] = -1
+        return client
+
+    def train(self, msg: Message) -> Message:
+        meta = self._meta()
+        built = self._built(int(meta["rows"]))
+        content = msg.content
+        client = self._acknowledge(built, content, meta)
+        server = _unflatten(content["server"], built.server)
+        key = unpack(content["key"], jax.random.key(0), "the server", "key")
+        message, proposed = built.client_update(server, client, built.data, built.mask, key,
+                                                jnp.asarray(int(meta["index"])))
+        self.context.state["fedppl.message"] = pack(message)
+        self.context.state["fedppl.proposed"] = pack(proposed)
+        meta["pending"] = int(cast(int, content.config_records["meta"]["round"]))
+        self._save(client, meta)
+        return Message(RecordDict({"message": pack(message)}), reply_to=msg)
+
+    def evaluate(self, msg: Message) -> Message:
+        meta = self._meta()
+        built = self._built(int(meta["rows"]))
+        if built.evaluate is None:
+            raise ValueError("this method has no evaluation exchange")
+        held = "fedppl.proposed" if int(meta["pending"]) >= 0 else "fedppl.client"
+        candidate = _unflatten(msg.content["candidate"], built.candidate)
+        value = built.evaluate(candidate, self._held(held, built), built.data, built.mask)
+        return Message(RecordDict({"value": pack(value)}), reply_to=msg)
+
+    def finish(self, msg: Message) -> Message:
+        meta = self._meta()
+        built = self._built(int(meta["rows"]))
+        self._save(self._acknowledge(built, msg.content, meta), meta)
+        return Message(RecordDict({"ok": ConfigRecord({"ok": True})}), reply_to=msg)
+
+
+class _Captured(Exception):
+    """Stops a node's run of the method at its first round (see ``_Node._build``)."""
+
+
+def _unflatten(record: Any, like: Any) -> Any:
+    """A pytree the server sent, structured as ``like`` (trusted: the structure is the method's
+    own; shapes are not checked, as some depend on the number of clients)."""
+    leaves, treedef = jax.tree_util.tree_flatten(like)
+    got = record.to_numpy_ndarrays()
+    if len(got) != len(leaves):
+        raise ValueError(f"the server sent {len(got)} arrays, expected {len(leaves)}")
+    return jax.tree_util.tree_unflatten(treedef, [
+        jax.random.wrap_key_data(jnp.asarray(a)) if _is_key(w) else jnp.asarray(a)
+        for a, w in zip(got, leaves, strict=True)])

@@ -1,0 +1,78 @@
+"""Small federated tasks that the Flower tests run on both engines and on the embedded runtime.
+
+``task(run_config)`` builds the method and the data from the run config alone (``method``: one of
+:data:`TASKS`), as every Flower process must; ``embedded(name)`` runs the same method on the
+embedded runtime and returns its last server state, for the equality tests.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import jax
+import numpy as np
+
+import fedppl
+from fedppl.models import linear_regression
+from fedppl.runtime import make_round
+from fedppl.runtime.flower import Task
+
+TASKS = ("pvi-synchronous", "pvi-sequential", "fsgp", "fedbnr")
+ROUNDS = 3
+
+
+def _data(name: str):
+    if name.startswith("pvi"):
+        rng = np.random.default_rng(0)
+        X = rng.normal(size=(90, 2))
+        y = X @ np.array([1.0, -0.5]) + rng.normal(size=90)
+        return fedppl.partition.homogeneous(X, y, num_clients=3, seed=0), {}
+    if name == "fsgp":
+        rng = np.random.default_rng(0)
+        X = rng.uniform(-2, 2, (60, 1))
+        return fedppl.partition.homogeneous(X, np.sin(2 * X[:, 0]), num_clients=3, seed=0), {}
+    X = np.linspace(-3, 3, 60)[:, None]
+    clients = fedppl.partition.homogeneous(X, np.sin(X[:, 0]), num_clients=2, seed=0)
+    return clients, {"validation": (X[::7], np.sin(X[::7, 0]))}
+
+
+def _method(name: str):
+    if name.startswith("pvi"):
+        return fedppl.PVI(linear_regression, fedppl.PVIGuide(linear_regression),
+                          schedule=name.split("-")[1])
+    if name == "fsgp":
+        return fedppl.FSGP(num_inducing=5, local_steps=5, init_inducing="random-normal")
+    from fedppl.models.random_features import URKSpec
+
+    spec = URKSpec(input_dim=1, feature_widths=(), shift_widths=(), num_samples=10)
+    return fedppl.FedBNR(spec, kernel="avg", local_steps=3, eval_every=1)
+
+
+def task(run_config: dict[str, Any]) -> Task:
+    """The Flower task named by ``run_config["method"]``."""
+    jax.config.update("jax_enable_x64", True)
+    name = str(run_config["method"])
+    clients, run_kwargs = _data(name)
+    return Task(_method(name), clients.client, clients.num_clients, ROUNDS,
+                run_kwargs=run_kwargs, round_timeout=run_config.get("round-timeout"))
+
+
+def embedded(name: str) -> tuple[Any, list[np.ndarray]]:
+    """The result, and the leaves of the last server state, of the embedded runtime on the same
+    task (its rounds recorded through the method's ``runtime`` hook)."""
+    clients, run_kwargs = _data(name)
+    method, last = _method(name), {}
+
+    def runtime(trio, schedule):
+        round_fn = make_round(trio, schedule)
+
+        def recorded(*args):
+            out = round_fn(*args)
+            last["server"] = out[0]
+            return out
+
+        return recorded
+
+    method.runtime = runtime
+    result = method.run(jax.random.key(0), clients, ROUNDS, progress_bar=False, **run_kwargs)
+    return result, [np.asarray(x) for x in jax.tree_util.tree_leaves(last["server"])]

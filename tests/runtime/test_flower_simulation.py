@@ -1,0 +1,104 @@
+"""fedppl methods on Flower's Simulation Engine (Ray): the same answer as the embedded runtime,
+and clear errors for a deployment that cannot work.
+
+Each simulation starts Ray (about 10 s on 2 cores), so each method runs once here.
+"""
+
+from __future__ import annotations
+
+import jax
+import numpy as np
+import pytest
+
+pytest.importorskip("flwr", reason="the Flower tests need the flower extra: "
+                    "pip install 'fedppl[flower]'")
+
+from fedppl.runtime.flower import FlowerApp, FlowerError, Task, pack, unpack  # noqa: E402
+
+from . import flower_tasks  # noqa: E402
+
+jax.config.update("jax_enable_x64", True)
+
+
+@pytest.mark.parametrize("name", flower_tasks.TASKS)
+def test_simulation_equals_embedded(name):
+    """Same seeds, same clients: the server state after the rounds equals the embedded
+    runtime's to float64 round-off (each client steps alone instead of under ``vmap``)."""
+    app = FlowerApp(flower_tasks.task)
+    result = app.simulate({"method": name})
+    want_result, want = flower_tasks.embedded(name)
+    got = [np.asarray(jax.random.key_data(x) if jax.dtypes.issubdtype(x.dtype,
+                                                                       jax.dtypes.prng_key)
+                      else x) for x in jax.tree_util.tree_leaves(app.server_state)]
+    want = [np.asarray(x) for x in want]
+    assert len(got) == len(want)
+    for a, b in zip(got, want, strict=True):
+        assert a.shape == b.shape and a.dtype == b.dtype
+        np.testing.assert_allclose(a, b, rtol=1e-9, atol=1e-10)
+    assert result.num_rounds == want_result.num_rounds
+    assert result.rejected == want_result.rejected == []
+    for key in ("messages_up", "messages_down", "bytes_up", "bytes_down"):
+        np.testing.assert_array_equal(result.history[key], want_result.history[key])
+    # what crossed the wire: at least the payload the method counts
+    assert np.all(result.history["wire_bytes_up"] >= result.history["bytes_up"])
+
+
+def test_a_node_whose_data_do_not_fit_is_named():
+    """One node holds three features where the model was set up with two: the set-up fails with
+    an error naming the node, before any round."""
+
+    def task(run_config):
+        base = flower_tasks.task({"method": "pvi-synchronous"})
+
+        def load(k):
+            X, y = base.load_partition(k)
+            return (np.hstack([X, X[:, :1]]), y) if k == 1 else (X, y)
+
+        return base._replace(load_partition=load, num_rounds=1)
+
+    with pytest.raises(FlowerError, match="client 1"):
+        FlowerApp(task).simulate()
+
+
+def test_data_dependent_setup_is_refused_at_the_server():
+    """FSGP's default inducing inputs are drawn from the pooled data, which a deployment's server
+    does not hold: the run stops with the reason and the way out."""
+
+    def task(run_config):
+        import fedppl
+
+        base = flower_tasks.task({"method": "fsgp"})
+        return base._replace(method=fedppl.FSGP(num_inducing=5, local_steps=5), num_rounds=1)
+
+    with pytest.raises(ValueError, match="random-normal"):
+        FlowerApp(task).simulate()
+
+
+def test_messages_are_checked_against_the_method():
+    """A message of the wrong structure, shape or dtype is refused with the sender's name."""
+    like = {"a": jax.ShapeDtypeStruct((2,), np.float64), "b": jax.ShapeDtypeStruct((), np.int32)}
+    good = {"a": np.ones(2), "b": np.int32(3)}
+    out = unpack(pack(good), like, "client 4")
+    np.testing.assert_array_equal(out["a"], good["a"])
+    with pytest.raises(ValueError, match="client 4 sent a message with 1 arrays, expected 2"):
+        unpack(pack({"a": np.ones(2)}), like, "client 4")
+    with pytest.raises(ValueError, match=r"client 4 .*array 0 has shape \(3,\)"):
+        unpack(pack({"a": np.ones(3), "b": np.int32(3)}), like, "client 4")
+    with pytest.raises(ValueError, match="dtype float32"):
+        unpack(pack({"a": np.ones(2, np.float32), "b": np.int32(3)}), like, "client 4")
+    key = jax.random.key(3)
+    back = unpack(pack(key), key)
+    assert jax.random.key_data(back).tolist() == jax.random.key_data(key).tolist()
+
+
+def test_flower_task_needs_enough_nodes():
+    """Fewer simulated nodes than the task's clients: a clear error, not a hang."""
+
+    def task(run_config):
+        return flower_tasks.task({"method": "pvi-synchronous"})._replace(
+            num_clients=3, connect_timeout=3.0)
+
+    app = FlowerApp(task)
+    with pytest.raises(FlowerError, match="only 2 of 3 nodes connected within 3 s"):
+        app.simulate(num_supernodes=2)
+    assert isinstance(app, FlowerApp) and Task is not None
