@@ -49,6 +49,7 @@ and takes a few seconds to start Ray)::
 
 from __future__ import annotations
 
+import importlib
 import os
 import time
 import uuid
@@ -69,7 +70,7 @@ try:
 except ImportError as err:  # pragma: no cover - the extra is installed by make test
     raise ImportError("fedppl.runtime.flower needs Flower: pip install 'fedppl[flower]'") from err
 
-__all__ = ["Task", "FlowerApp", "FlowerError", "pack", "unpack"]
+__all__ = ["Task", "FlowerApp", "FlowerError", "task_from_config", "pack", "unpack"]
 
 
 class FlowerError(RuntimeError):
@@ -95,6 +96,16 @@ class Task(NamedTuple):
     run_kwargs: Mapping[str, Any] = {}
     round_timeout: float | None = None
     connect_timeout: float = 120.0
+
+
+def task_from_config(run_config: Mapping[str, Any]) -> Task:
+    """The task that ``run_config["task"]`` (``"package.module:function"``) builds from the run
+    config: how a Flower app's pyproject.toml picks its fedppl task (``examples/flower``)."""
+    spec = str(run_config.get("task", ""))
+    module, _, name = spec.partition(":")
+    if not module or not name:
+        raise ValueError(f"run config 'task' must be 'package.module:function', got {spec!r}")
+    return getattr(importlib.import_module(module), name)(run_config)
 
 
 # -- pytrees on the wire ---------------------------------------------------------------------------

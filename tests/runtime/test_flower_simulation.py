@@ -13,9 +13,9 @@ import pytest
 pytest.importorskip("flwr", reason="the Flower tests need the flower extra: "
                     "pip install 'fedppl[flower]'")
 
-from fedppl.runtime.flower import FlowerApp, FlowerError, Task, pack, unpack  # noqa: E402
+from fedppl.runtime.flower import FlowerApp, FlowerError, Task, pack, unpack
 
-from . import flower_tasks  # noqa: E402
+from . import flower_tasks
 
 jax.config.update("jax_enable_x64", True)
 

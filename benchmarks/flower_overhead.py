@@ -1,0 +1,113 @@
+"""What running on Flower costs: seconds and bytes per synchronous PVI round, embedded runtime
+against Flower's Simulation Engine (and the Deployment Engine, local processes, where
+``fedppl.runtime.flower_local`` is available), at K = 10 and 100 clients.
+
+The task is Bayesian linear regression (5 features, 20 rows per client, closed-form local step),
+so the figures are the runtime's overhead, not the local work. Seconds per round are the median
+over the rounds after the first (the first compiles). Writes
+``benchmarks/results/flower_overhead.json``.
+
+    python benchmarks/flower_overhead.py [--clients 10 100] [--rounds 4] [--engines ...]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import tempfile
+import time
+from pathlib import Path
+
+import jax
+import numpy as np
+
+import fedppl
+from fedppl.models import linear_regression
+
+jax.config.update("jax_enable_x64", True)
+
+OUT = Path(__file__).parent / "results" / "flower_overhead.json"
+ENGINES = ("embedded", "simulation", "deployment")
+
+
+def task(run_config):
+    from fedppl.runtime.flower import Task
+
+    jax.config.update("jax_enable_x64", True)
+    K = int(run_config["num-clients"])
+    rng = np.random.default_rng(0)
+    X = rng.normal(size=(20 * K, 5))
+    y = X @ rng.normal(size=5) + rng.normal(size=20 * K)
+    clients = fedppl.partition.homogeneous(X, y, num_clients=K, seed=0)
+    pvi = fedppl.PVI(linear_regression, fedppl.PVIGuide(linear_regression))
+    return Task(pvi, clients.client, K, int(run_config["num-rounds"]))
+
+
+def _row(engine: str, K: int, history: dict, wall: float) -> dict:
+    seconds = np.asarray(history["seconds"])
+    up = history.get("wire_bytes_up", history["bytes_up"])
+    down = history.get("wire_bytes_down", history["bytes_down"])
+    return {"engine": engine, "clients": K, "rounds": len(seconds),
+            "seconds_per_round": float(np.median(seconds[1:] if len(seconds) > 1 else seconds)),
+            "first_round_seconds": float(seconds[0]),
+            "bytes_up_per_round": float(np.median(up)),
+            "bytes_down_per_round": float(np.median(down)), "wall_seconds": wall}
+
+
+def run(engine: str, K: int, rounds: int) -> dict:
+    config = {"num-clients": K, "num-rounds": rounds}
+    t0 = time.perf_counter()
+    if engine == "embedded":
+        t = task(config)
+        clients = fedppl.Clients.from_list([t.load_partition(k) for k in range(K)])
+        result = t.method.run(jax.random.key(0), clients, rounds, progress_bar=False)
+    elif engine == "simulation":
+        from fedppl.runtime.flower import FlowerApp
+
+        result = FlowerApp(task).simulate(config)
+    else:
+        from fedppl.runtime.flower_local import LocalDeployment  # type: ignore[import-not-found]
+
+        app = Path(__file__).resolve().parents[1] / "examples" / "flower"
+        with tempfile.TemporaryDirectory() as out, LocalDeployment(K) as fed:
+            fed.run(app, run_config={"task": "benchmarks.flower_overhead:task",
+                                     "num-clients": K, "num-rounds": rounds,
+                                     "result-dir": out}, timeout=3600)
+            with open(os.path.join(out, "result.json")) as f:
+                history = json.load(f)["history"]
+        return _row(engine, K, history, time.perf_counter() - t0)
+    return _row(engine, K, result.history, time.perf_counter() - t0)
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--clients", type=int, nargs="+", default=[10, 100])
+    p.add_argument("--rounds", type=int, default=4)
+    p.add_argument("--engines", nargs="+", default=list(ENGINES), choices=ENGINES)
+    args = p.parse_args()
+    rows = []
+    for K in args.clients:
+        for engine in args.engines:
+            try:
+                rows.append(run(engine, K, args.rounds))
+            except ImportError as err:
+                print(f"skipping {engine}: {err}")
+                continue
+            r = rows[-1]
+            print(f"{engine:>11} K={K:<4} {r['seconds_per_round']:8.3f} s/round  "
+                  f"(first {r['first_round_seconds']:.2f} s)  up {r['bytes_up_per_round']:.0f} B"
+                  f"  down {r['bytes_down_per_round']:.0f} B  wall {r['wall_seconds']:.1f} s")
+    OUT.parent.mkdir(exist_ok=True)
+    OUT.write_text(json.dumps({
+        "what": "seconds and bytes per synchronous PVI round (BLR, 5 features, 20 rows per "
+                "client): embedded vs Flower engines; median over rounds after the first",
+        "machine": f"{platform.node()} {platform.machine()} {os.cpu_count()} cores, "
+                   f"{jax.default_backend()}",
+        "flwr": __import__("flwr").__version__, "rows": rows}, indent=1))
+    print(f"wrote {OUT}")
+
+
+if __name__ == "__main__":
+    main()
