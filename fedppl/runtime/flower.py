@@ -51,6 +51,7 @@ from __future__ import annotations
 
 import importlib
 import os
+import signal
 import time
 import uuid
 from collections.abc import Callable, Mapping
@@ -86,6 +87,12 @@ class Task(NamedTuple):
     ``jax.random.key(seed)``); ``round_timeout``: seconds the server waits for a round's answers
     (None: until every node answers); ``connect_timeout``: seconds the server waits for
     ``num_clients`` nodes to connect.
+
+    ``fault(partition, round)`` injects a node's faults, for drills and tests: None (no fault),
+    ``"crash"`` (the ClientApp raises), ``"kill"`` (its SuperNode process dies), ``"slow"`` (it
+    answers after twice ``round_timeout``), ``"wrong_shape"`` (one array too many), or a function
+    of the message that returns the message sent instead (``fedppl.runtime.faults``' kinds).
+    The node keeps its true state: a fault changes only what leaves it.
     """
 
     method: Any
@@ -96,6 +103,7 @@ class Task(NamedTuple):
     run_kwargs: Mapping[str, Any] = {}
     round_timeout: float | None = None
     connect_timeout: float = 120.0
+    fault: Callable[[int, int], Any] | None = None
 
 
 def task_from_config(run_config: Mapping[str, Any]) -> Task:
@@ -238,10 +246,11 @@ class FlowerApp:
         return app
 
     def simulate(self, run_config: Mapping[str, Any] | None = None, *,
-                 num_supernodes: int | None = None, verbose: bool = False) -> Any:
+                 num_supernodes: int | None = None, num_workers: int = 1,
+                 verbose: bool = False) -> Any:
         """Run on Flower's Simulation Engine (Ray; the ServerApp in this process, the ClientApps
-        in Ray's workers) with ``run_config``; returns the method's result (and keeps the last
-        server state as ``self.server_state``)."""
+        in ``num_workers`` Ray workers) with ``run_config``; returns the method's result (and
+        keeps the last server state as ``self.server_state``)."""
         from flwr.simulation import run_simulation
 
         run_config = dict(run_config or {})
@@ -258,7 +267,8 @@ class FlowerApp:
 
         run_simulation(server_app, self.client_app(), num_supernodes=n,
                        backend_config={"client_resources": {"num_cpus": 1, "num_gpus": 0.0},
-                                       "init_args": {"num_cpus": 1, "include_dashboard": False,
+                                       "init_args": {"num_cpus": int(num_workers),
+                                                     "include_dashboard": False,
                                                      "log_to_driver": verbose}},
                        verbose_logging=verbose)
         self.fixed_config = None
@@ -280,7 +290,8 @@ class _Server:
         self.faults: list[tuple[int, str, str]] = []
         self.round = 0
         self.traffic = np.zeros(4, np.int64)  # messages up, down, bytes up, down
-        self.pending: dict[int, tuple[int, Any]] = {}
+        # the replies each client has not yet confirmed (by answering a later round)
+        self.pending: dict[int, list[tuple[int, Any]]] = {}
         self.wire: list[np.ndarray] = []
 
     # one exchange with some clients: client k -> its answer, or why there is none
@@ -410,7 +421,7 @@ class _Server:
                         server, _stack([msgs.get(k, blank) for k in range(K)]), jnp.arange(K),
                         received, server_key)
                 for k in taking:
-                    self.pending[k] = (self.round, _index(replies_all, k))
+                    self.pending.setdefault(k, []).append((self.round, _index(replies_all, k)))
                 stacked = _stack([msgs.get(k, blank) for k in range(K)])
                 # the server's record of each client: its state with the replies applied (what
                 # the server never sees, such as a private guide, stays as it was)
@@ -436,22 +447,31 @@ class _Server:
         """One ``train`` exchange: the messages that arrived and passed the checks."""
         contents = {}
         for k in sorted(ks):
-            meta: dict[str, Any] = {"round": self.round, "reply_round": -1}
-            content = RecordDict({"server": pack(server), "key": pack(keys[k])})
-            if k in self.pending:
-                meta["reply_round"], reply = self.pending.pop(k)
-                content["reply"] = pack(reply)
-            content["meta"] = ConfigRecord(meta)
+            content = self._replies(k)
+            content["server"], content["key"] = pack(server), pack(keys[k])
+            content.config_records["meta"]["round"] = int(self.round)
             contents[k] = content
         msgs = {}
         for k, a in self._exchange(contents, "train", self.task.round_timeout).items():
+            if not isinstance(a, str):  # it answered: it has applied every reply it was sent
+                self.pending.pop(k, None)
             try:
                 if isinstance(a, str):
                     raise ValueError(a)
-                msgs[k] = unpack(a["message"], like, self._who(k))
+                msgs[k] = unpack(a.array_records["message"], like, self._who(k))
             except (ValueError, KeyError) as err:
                 self.faults.append((self.round, self.names[k], str(err)))
         return msgs
+
+    def _replies(self, k: int) -> RecordDict:
+        """The server's replies to client k's messages that it has not confirmed: it applies
+        the one to the message it last sent (a node that failed mid-round may still hold an
+        older one) and drops the others."""
+        rounds = [r for r, _ in self.pending.get(k, [])]
+        content = RecordDict({"meta": ConfigRecord({"reply_rounds": rounds})})
+        for r, reply in self.pending.get(k, []):
+            content[f"reply.{r}"] = pack(reply)
+        return content
 
     def _evaluator(self, trio: Any, K: int) -> Callable | None:
         """``evaluate(candidate) -> (K, ...)`` by an ``evaluate`` exchange (a host callback
@@ -489,11 +509,8 @@ class _Server:
 
     def _finish(self) -> None:
         """Send every node the reply to its last message, so that its state is final."""
-        contents = {}
-        for k in sorted(self.pending):
-            r, reply = self.pending.pop(k)
-            contents[k] = RecordDict({"reply": pack(reply),
-                                      "meta": ConfigRecord({"reply_round": r})})
+        contents = {k: self._replies(k) for k in sorted(self.pending)}
+        self.pending.clear()
         if contents:
             for k, a in self._exchange(contents, "query.finish", 60.0).items():
                 if isinstance(a, str):
@@ -635,16 +652,16 @@ class _Node:
         return Message(RecordDict({"ok": ConfigRecord({"ok": True})}), reply_to=msg)
 
     def _acknowledge(self, built: _Built, content: RecordDict, meta: dict) -> Any:
-        """This node's state after the server's reply to its pending message (if any): a reply
-        to an older message (its answer came too late) leaves the state as it was."""
+        """This node's state after the server's reply to its pending message (if the server sent
+        it; the server's reply to a message that arrived late is its reply to a message it did
+        not receive, so the state stays as it was)."""
         client = self._held("fedppl.client", built)
         pending = int(meta["pending"])
-        if pending >= 0 and "reply" in content.array_records:
-            if int(cast(int, content.config_records["meta"]["reply_round"])) == pending:
-                msg = _unflatten(self.context.state["fedppl.message"], built.message)
-                reply = _unflatten(content["reply"], built.reply)
-                client = built.acknowledge(client, msg, reply,
-                                           self._held("fedppl.proposed", built))
+        rounds = list(cast(list, content.config_records["meta"].get("reply_rounds", [])))
+        if pending >= 0 and pending in rounds:
+            msg = _unflatten(self.context.state["fedppl.message"], built.message)
+            reply = _unflatten(content.array_records[f"reply.{pending}"], built.reply)
+            client = built.acknowledge(client, msg, reply, self._held("fedppl.proposed", built))
             meta["pending"] = -1
         return client
 
@@ -655,13 +672,29 @@ class _Node:
         client = self._acknowledge(built, content, meta)
         server = _unflatten(content["server"], built.server)
         key = unpack(content["key"], jax.random.key(0), "the server", "key")
+        rnd = int(cast(int, content.config_records["meta"]["round"]))
+        fault = None if self.task.fault is None else self.task.fault(self.partition, rnd)
+        if fault == "crash":
+            raise RuntimeError(f"fault injected: partition {self.partition} fails in round {rnd}")
+        if fault == "kill":  # this node's SuperNode dies (the ClientApp's parent process)
+            os.kill(os.getppid(), signal.SIGKILL)
+            os._exit(1)
         message, proposed = built.client_update(server, client, built.data, built.mask, key,
                                                 jnp.asarray(int(meta["index"])))
         self.context.state["fedppl.message"] = pack(message)
         self.context.state["fedppl.proposed"] = pack(proposed)
-        meta["pending"] = int(cast(int, content.config_records["meta"]["round"]))
+        meta["pending"] = rnd
         self._save(client, meta)
-        return Message(RecordDict({"message": pack(message)}), reply_to=msg)
+        sent = pack(message)
+        if callable(fault):
+            sent = pack(fault(message))
+        elif fault == "slow":
+            time.sleep(2.0 * (self.task.round_timeout or 1.0) + 1.0)
+        elif fault == "wrong_shape":
+            sent = pack([*jax.tree_util.tree_leaves(message), np.zeros(3)])
+        elif fault is not None:
+            raise ValueError(f"unknown fault {fault!r}")
+        return Message(RecordDict({"message": sent}), reply_to=msg)
 
     def evaluate(self, msg: Message) -> Message:
         meta = self._meta()

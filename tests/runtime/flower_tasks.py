@@ -76,3 +76,17 @@ def embedded(name: str) -> tuple[Any, list[np.ndarray]]:
     method.runtime = runtime
     result = method.run(jax.random.key(0), clients, ROUNDS, progress_bar=False, **run_kwargs)
     return result, [np.asarray(x) for x in jax.tree_util.tree_leaves(last["server"])]
+
+
+def Absent(method, absent: dict[int, list[int]]):
+    """``method`` whose clients ``absent[r]`` sit round ``r`` out (the others all take part)."""
+
+    class Absent(type(method)):
+        def _round_inputs(self, state):
+            rng_key, keys, active, server_key, spare = super()._round_inputs(state)
+            active = np.ones(state.masks.shape[0], bool)
+            active[absent.get(state.round + 1, [])] = False
+            return rng_key, keys, jax.numpy.asarray(active), server_key, spare
+
+    method.__class__ = Absent
+    return method

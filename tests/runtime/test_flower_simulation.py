@@ -102,3 +102,37 @@ def test_flower_task_needs_enough_nodes():
     with pytest.raises(FlowerError, match="only 2 of 3 nodes connected within 3 s"):
         app.simulate(num_supernodes=2)
     assert isinstance(app, FlowerApp) and Task is not None
+
+
+def _nan(message):
+    return jax.tree_util.tree_map(
+        lambda x: x * np.nan if jax.numpy.issubdtype(x.dtype, jax.numpy.floating) else x, message)
+
+
+def test_faults_leave_the_server_as_a_clean_run_without_those_clients():
+    """A node that crashes, sends a message of the wrong shape, answers after the round's timeout
+    or sends NaN: that round's server update goes on without it, ``rejected`` names it with the
+    reason, and the posterior equals an embedded run in which those clients sat those rounds
+    out. The straggler's late answer (round 4) is never applied: the node learns so when the
+    run ends and keeps its old factor."""
+    faults = {(1, 2): "crash", (2, 3): "wrong_shape", (0, 4): "slow", (1, 5): _nan}
+
+    def task(run_config):
+        base = flower_tasks.task({"method": "pvi-synchronous"})
+        return base._replace(method=flower_tasks.Absent(base.method, {5: [0]}), num_rounds=5,
+                             round_timeout=1.5, fault=lambda k, r: faults.get((k, r)))
+
+    app = FlowerApp(task)
+    result = app.simulate(num_workers=2)
+    clients, _ = flower_tasks._data("pvi-synchronous")
+    clean = flower_tasks.Absent(flower_tasks._method("pvi-synchronous"),
+                                {2: [1], 3: [2], 4: [0], 5: [0, 1]})
+    want = clean.run(jax.random.key(0), clients, 5, progress_bar=False)
+    np.testing.assert_allclose(result.q.nat1, want.q.nat1, rtol=1e-9, atol=1e-10)
+    np.testing.assert_allclose(result.q.prec, want.q.prec, rtol=1e-9, atol=1e-10)
+    why = {(r, who): reason for r, who, reason in result.rejected}
+    assert "fault injected" in why[(2, "client 1")]
+    assert "array" in why[(3, "client 2")] and "expected" in why[(3, "client 2")]
+    assert "no answer within 1.5 s" in why[(4, "client 0")]
+    assert (5, "client 1") in why  # NaN: refused by the method's own server
+    assert len(why) == 4
