@@ -13,8 +13,10 @@ Example::
 
 from __future__ import annotations
 
+import json
 import time
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -26,7 +28,9 @@ from fedppl.guides import PVIGuide
 from fedppl.infer.variational import PVI, GlobalVI, PVIResult
 from fedppl.models import logistic_regression
 
-__all__ = ["run_demo", "load_breast_cancer"]
+__all__ = ["run_demo", "demo_task", "load_breast_cancer", "RUNTIMES"]
+
+RUNTIMES = ("embedded", "flower", "flower-deployment")
 
 
 @dataclass
@@ -62,10 +66,39 @@ def predictive(samples: dict, X: np.ndarray, y: np.ndarray) -> tuple[float, floa
     return float(jnp.mean((prob > 0.5) == (y > 0.5))), float(jnp.mean(log_pred))
 
 
+def demo_task(run_config: dict[str, Any]):
+    """The demo's PVI run as a :class:`fedppl.runtime.flower.Task` (from its run config: clients,
+    rounds, local-steps, seed, schedule, damping): what every runtime runs."""
+    from fedppl.runtime.flower import Task
+
+    jax.config.update("jax_enable_x64", True)
+    K, seed = int(run_config["clients"]), int(run_config["seed"])
+    Xtr, ytr, _, _ = load_breast_cancer(seed)
+    clients = partition.by_feature(Xtr, ytr, K)
+    model = logistic_regression
+    pvi = PVI(model, PVIGuide(model, family="meanfield"), schedule=str(run_config["schedule"]),
+              damping=float(run_config["damping"]),
+              local_steps=int(run_config["local-steps"]))
+    return Task(pvi, clients.client, K, int(run_config["rounds"]), seed=seed)
+
+
+def _on_flower(runtime: str, config: dict[str, Any]) -> PVIResult:
+    from fedppl.runtime.flower import FlowerApp
+
+    if runtime == "flower":
+        return FlowerApp(demo_task).simulate(config)
+    raise ValueError(f"runtime must be one of {RUNTIMES}, got {runtime!r}")
+
+
 def run_demo(num_clients: int = 10, num_rounds: int = 10, local_steps: int = 100,
-             out: str | None = "fedppl-demo.png", seed: int = 0, progress_bar: bool = True
-             ) -> list[Row]:
-    """Run the comparison, print the table, write the plot; returns the table rows."""
+             out: str | None = "fedppl-demo.png", seed: int = 0, progress_bar: bool = True,
+             runtime: str = "embedded", json_path: str | None = None) -> list[Row]:
+    """Run the comparison, print the table, write the plot (and the table's figures as JSON to
+    ``json_path``); returns the table rows. ``runtime`` runs the PVI rows on the embedded runtime,
+    Flower's Simulation Engine (``"flower"``) or a local Deployment Engine
+    (``"flower-deployment"``)."""
+    if runtime not in RUNTIMES:
+        raise ValueError(f"runtime must be one of {RUNTIMES}, got {runtime!r}")
     jax.config.update("jax_enable_x64", True)
     Xtr, ytr, Xte, yte = load_breast_cancer(seed)
     clients = partition.by_feature(Xtr, ytr, num_clients)
@@ -79,10 +112,14 @@ def run_demo(num_clients: int = 10, num_rounds: int = 10, local_steps: int = 100
         runs[name] = result
 
     for schedule, damping in [("sequential", 1.0), ("synchronous", 0.5)]:
-        pvi = PVI(model, PVIGuide(model, family="meanfield"), schedule=schedule, damping=damping,
-                  local_steps=local_steps)
         t0 = time.perf_counter()
-        res = pvi.run(key, clients, num_rounds, progress_bar=progress_bar)
+        config = {"clients": num_clients, "rounds": num_rounds, "local-steps": local_steps,
+                  "seed": seed, "schedule": schedule, "damping": damping}
+        if runtime == "embedded":
+            res = demo_task(config).method.run(key, clients, num_rounds,
+                                               progress_bar=progress_bar)
+        else:
+            res = _on_flower(runtime, config)
         record(f"PVI {schedule}" + (f" (damping {damping})" if damping < 1 else ""), res,
                num_rounds, time.perf_counter() - t0)
 
@@ -93,6 +130,12 @@ def run_demo(num_clients: int = 10, num_rounds: int = 10, local_steps: int = 100
 
     rows.extend(_clients_alone(model, clients, local_steps, key, Xte, yte))
     _print_table(rows, clients)
+    if json_path:
+        with open(json_path, "w") as f:
+            json.dump({"runtime": runtime, "clients": num_clients, "rounds": num_rounds,
+                       "rows": [{k: (None if isinstance(v, float) and np.isnan(v) else v)
+                                 for k, v in asdict(r).items()} for r in rows]}, f, indent=1)
+        print(f"table written to {json_path}")
     if out:
         _plot(runs, out)
         print(f"plot written to {out}")

@@ -20,10 +20,17 @@ def register(sub: argparse._SubParsersAction) -> None:
     demo.add_argument("--out", default="fedppl-demo.png", help="plot file ('' for none)")
     demo.add_argument("--seed", type=int, default=0)
     demo.add_argument("--no-progress", action="store_true", help="hide progress bars")
+    demo.add_argument("--runtime", default="embedded",
+                      choices=("embedded", "flower", "flower-deployment"),
+                      help="who runs PVI's rounds: this process (embedded), Flower's Simulation "
+                           "Engine (flower) or a local SuperLink and SuperNodes "
+                           "(flower-deployment); needs the flower extra")
+    demo.add_argument("--json", default="", help="also write the table's figures to this file")
 
 
 def run(args: argparse.Namespace) -> None:
     from fedppl_experiments.demo import run_demo
 
     run_demo(args.clients, args.rounds, args.local_steps, args.out or None, args.seed,
-             progress_bar=not args.no_progress)
+             progress_bar=not args.no_progress, runtime=args.runtime,
+             json_path=args.json or None)
