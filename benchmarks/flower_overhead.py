@@ -1,6 +1,6 @@
 """What running on Flower costs: seconds and bytes per synchronous PVI round, embedded runtime
-against Flower's Simulation Engine (and the Deployment Engine, local processes, where
-``fedppl.runtime.flower_local`` is available), at K = 10 and 100 clients.
+against Flower's Simulation Engine and its Deployment Engine (a SuperLink and K SuperNodes as
+local processes, ``fedppl.runtime.deployment``), at K = 10 and 100 clients.
 
 The task is Bayesian linear regression (5 features, 20 rows per client, closed-form local step),
 so the figures are the runtime's overhead, not the local work. Seconds per round are the median
@@ -8,6 +8,8 @@ over the rounds after the first (the first compiles). Writes
 ``benchmarks/results/flower_overhead.json``.
 
     python benchmarks/flower_overhead.py [--clients 10 100] [--rounds 4] [--engines ...]
+
+(run from the repository root: the deployment's processes import this module by name).
 """
 
 from __future__ import annotations
@@ -68,7 +70,7 @@ def run(engine: str, K: int, rounds: int) -> dict:
 
         result = FlowerApp(task).simulate(config)
     else:
-        from fedppl.runtime.flower_local import LocalDeployment  # type: ignore[import-not-found]
+        from fedppl.runtime.deployment import LocalDeployment
 
         app = Path(__file__).resolve().parents[1] / "examples" / "flower"
         with tempfile.TemporaryDirectory() as out, LocalDeployment(K) as fed:

@@ -267,15 +267,19 @@ def server_update(state: ServerState, messages: ClientMessage, received: Array |
     candidates = jax.vmap(lambda s: g.product(state.q, g.scale(total, s)))(sizes)
     accept = g.is_pd(candidates)
     if score is not None:
-        ell, kl = score(state.q)
+        # the current q and every candidate scored in one batch (one exchange in a deployment)
+        both = jax.tree_util.tree_map(lambda a, b: jnp.concatenate([a[None], b]), state.q,
+                                      candidates)
+        ells, kls = jax.vmap(score)(both)
+        ell = ells[0]
         use = g.is_finite(messages.delta) & jnp.isfinite(ell)
 
         def elbo(ell, kl):
             return jnp.sum(jnp.where(use, ell, 0.0), axis=-1) - kl
 
-        current = elbo(ell, kl)
+        current = elbo(ell, kls[0])
         floor = current - 1e-2 - 1e-6 * jnp.abs(current)
-        values = elbo(*jax.lax.map(score, candidates))
+        values = elbo(ells[1:], kls[1:])
         accept = accept & (values >= floor)
     step = jnp.where(jnp.any(accept), sizes[jnp.argmax(accept)], 0.0)
     q = g.product(state.q, g.scale(total, step))

@@ -30,28 +30,28 @@ method-specific:
 The server keeps its record of each client's state by applying its replies to the client's
 messages; what a client never sends (local latent variables) stays with the client.
 
-Example (Bayesian linear regression on 3 simulated nodes; needs ``pip install fedppl[flower]``,
-and takes a few seconds to start Ray)::
+Example (Bayesian linear regression on 3 simulated nodes; ``tests/runtime`` runs the same)::
 
-    >>> import numpy as np, fedppl
-    >>> from fedppl.models import linear_regression
-    >>> from fedppl.runtime.flower import FlowerApp, Task
-    >>> rng = np.random.default_rng(0)
-    >>> X = rng.normal(size=(90, 2))
-    >>> clients = fedppl.partition.homogeneous(X, X @ np.ones(2), num_clients=3, seed=0)
-    >>> def task(run_config):
-    ...     pvi = fedppl.PVI(linear_regression, fedppl.PVIGuide(linear_regression))
-    ...     return Task(pvi, clients.client, clients.num_clients, num_rounds=2)
-    >>> result = FlowerApp(task).simulate()  # doctest: +SKIP
-    >>> result.history["messages_up"].tolist()  # doctest: +SKIP
-    [3, 3]
+    import numpy as np, fedppl
+    from fedppl.models import linear_regression
+    from fedppl.runtime.flower import FlowerApp, Task
+
+    rng = np.random.default_rng(0)
+    X = rng.normal(size=(90, 2))
+    clients = fedppl.partition.homogeneous(X, X @ np.ones(2), num_clients=3, seed=0)
+
+    def task(run_config):  # runs on the server and on every node
+        pvi = fedppl.PVI(linear_regression, fedppl.PVIGuide(linear_regression))
+        return Task(pvi, clients.client, clients.num_clients, num_rounds=2)
+
+    result = FlowerApp(task).simulate()  # Flower's Simulation Engine
+    result.history["messages_up"]        # [3, 3]
 """
 
 from __future__ import annotations
 
 import importlib
 import os
-import signal
 import time
 import uuid
 from collections.abc import Callable, Mapping
@@ -89,10 +89,11 @@ class Task(NamedTuple):
     ``num_clients`` nodes to connect.
 
     ``fault(partition, round)`` injects a node's faults, for drills and tests: None (no fault),
-    ``"crash"`` (the ClientApp raises), ``"kill"`` (its SuperNode process dies), ``"slow"`` (it
-    answers after twice ``round_timeout``), ``"wrong_shape"`` (one array too many), or a function
-    of the message that returns the message sent instead (``fedppl.runtime.faults``' kinds).
-    The node keeps its true state: a fault changes only what leaves it.
+    ``"crash"`` (the ClientApp raises), ``"slow"`` (it answers after twice ``round_timeout``),
+    ``"wrong_shape"`` (one array too many), or a function of the message that returns the
+    message sent instead. The node keeps its true state: a fault changes only what leaves it.
+    (A node that dies is a real process killed: :meth:`LocalDeployment.kill_node
+    <fedppl.runtime.deployment.LocalDeployment.kill_node>`.)
     """
 
     method: Any
@@ -229,19 +230,19 @@ class FlowerApp:
 
         @app.query("setup")
         def setup(msg: Message, context: Context) -> Message:
-            return _Node(self, context).setup(msg)
+            return _Node(self, context, msg.content).setup(msg)
 
         @app.train()
         def train(msg: Message, context: Context) -> Message:
-            return _Node(self, context).train(msg)
+            return _Node(self, context, msg.content).train(msg)
 
         @app.evaluate()
         def evaluate(msg: Message, context: Context) -> Message:
-            return _Node(self, context).evaluate(msg)
+            return _Node(self, context, msg.content).evaluate(msg)
 
         @app.query("finish")
         def finish(msg: Message, context: Context) -> Message:
-            return _Node(self, context).finish(msg)
+            return _Node(self, context, msg.content).finish(msg)
 
         return app
 
@@ -309,7 +310,8 @@ class _Server:
             if who is None or who not in contents:
                 continue
             if m.has_error():
-                answers[who] = f"the node failed: {m.error.reason}"
+                lines = [ln for ln in str(m.error.reason).splitlines() if ln.strip()]
+                answers[who] = f"the node failed: {(lines or ['?'])[-1][-300:]}"
             else:
                 answers[who] = m.content
                 self.traffic[[0, 2]] += (1, _record_bytes(m.content))
@@ -381,7 +383,6 @@ class _Server:
 
     def _runtime(self, stand_in: Clients) -> Callable:
         K, rows = stand_in.num_clients, stand_in.max_size
-        started = [False]
 
         def runtime(trio: Any, schedule: str) -> Callable:
             jit = jax.jit if trio.jit else (lambda f, **kw: f)
@@ -390,9 +391,8 @@ class _Server:
             acknowledge = jit(jax.vmap(trio.acknowledge))
 
             def round_fn(server, clients, data, masks, keys, active, server_key):
-                if not started[0]:
+                if self.round == 0:
                     self._start(clients, rows)
-                    started[0] = True
                 self.round += 1
                 before = self.traffic.copy()
                 self.clients_now, self._one_data = clients, (_index(data, 0), masks[0])
@@ -435,11 +435,12 @@ class _Server:
         return runtime
 
     def _start(self, clients: Any, rows: int) -> None:
-        """Send each node its initial state (the second set-up exchange)."""
-        contents = {k: RecordDict({"client": pack(_index(clients, k)),
-                                   "meta": ConfigRecord({"index": k, "rows": rows})})
+        """The second set-up exchange: each node's initial state (the node builds and compiles
+        its step here, outside any round's timeout)."""
+        contents = {k: RecordDict({"init": pack(_index(clients, k)),
+                                   "init.meta": ConfigRecord({"index": k, "rows": rows})})
                     for k in self.node_of}
-        for k, a in self._exchange(contents, "query.setup", 300.0).items():
+        for k, a in self._exchange(contents, "query.setup", 600.0).items():
             if isinstance(a, str):
                 raise FlowerError(f"{self._who(k)} could not set up: {a}")
 
@@ -483,8 +484,15 @@ class _Server:
             clients = self.clients_now
             one = jax.eval_shape(trio.client_evaluate, candidate, _index(clients, 0),
                                  *self._one_data)
+            ndim = jnp.ndim(jax.tree_util.tree_leaves(candidate)[0])
 
             def exchange(candidate):
+                # under vmap (PVI's line search scores its candidates in one batch) the
+                # candidates come stacked on a leading axis: one exchange for all of them
+                batch = (np.shape(jax.tree_util.tree_leaves(candidate)[0])[0]
+                         if np.ndim(jax.tree_util.tree_leaves(candidate)[0]) > ndim else None)
+                want = one if batch is None else jax.tree_util.tree_map(
+                    lambda s: jax.ShapeDtypeStruct((batch, *s.shape), s.dtype), one)
                 answers = self._exchange({k: RecordDict({"candidate": pack(candidate)})
                                           for k in range(K)}, "evaluate",
                                          self.task.round_timeout)
@@ -494,16 +502,18 @@ class _Server:
                         a = answers[k]
                         if isinstance(a, str):
                             raise ValueError(a)
-                        rows.append(unpack(a["value"], one, self._who(k), "evaluation"))
+                        rows.append(unpack(a.array_records["value"], want, self._who(k),
+                                           "evaluation"))
                     except (ValueError, KeyError) as err:
                         self.faults.append((self.round, self.names[k], str(err)))
                         rows.append(jax.tree_util.tree_map(
-                            lambda s: np.full(s.shape, np.nan, s.dtype), one))
-                return jax.tree_util.tree_map(lambda *xs: np.stack(xs), *rows)
+                            lambda s: np.full(s.shape, np.nan, s.dtype), want))
+                axis = 0 if batch is None else 1  # clients after the batch axis
+                return jax.tree_util.tree_map(lambda *xs: np.stack(xs, axis=axis), *rows)
 
             like = jax.tree_util.tree_map(lambda s: jax.ShapeDtypeStruct((K, *s.shape), s.dtype),
                                           one)
-            return jax.pure_callback(exchange, like, candidate)
+            return jax.pure_callback(exchange, like, candidate, vmap_method="expand_dims")
 
         return evaluate
 
@@ -512,7 +522,8 @@ class _Server:
         contents = {k: self._replies(k) for k in sorted(self.pending)}
         self.pending.clear()
         if contents:
-            for k, a in self._exchange(contents, "query.finish", 60.0).items():
+            wait = self.task.round_timeout or 60.0
+            for k, a in self._exchange(contents, "query.finish", wait).items():
                 if isinstance(a, str):
                     self.faults.append((self.round, self.names[k],
                                         f"final acknowledgement not delivered: {a}"))
@@ -554,10 +565,19 @@ class _Node:
     """One message's work on a node (a ClientApp may run in a fresh process per message: what
     lasts between messages is in ``context.state``)."""
 
-    def __init__(self, app: FlowerApp, context: Context):
+    def __init__(self, app: FlowerApp, context: Context, content: RecordDict | None = None):
         self.app, self.context = app, context
+        # the server's precision, before this process makes any array (a deployment may start
+        # a fresh process for every message)
+        x64 = self._meta().get("x64")
+        if content is not None and "meta" in content.config_records:
+            x64 = content.config_records["meta"].get("x64", x64)
+        if x64 is not None:
+            jax.config.update("jax_enable_x64", bool(x64))
         self.task = app._task(dict(context.run_config))
         self.partition = int(context.node_config.get("partition-id", 0))
+        if content is not None and "init" in content.array_records:
+            self._start(content)
 
     def _arrays(self) -> tuple:
         return tuple(np.asarray(a) for a in self.task.load_partition(self.partition))
@@ -633,23 +653,28 @@ class _Node:
         return unpack(self.context.state[name], built.client, "this node", "state")
 
     def setup(self, msg: Message) -> Message:
-        content = msg.content
-        if "client" not in content.array_records:  # the first exchange: describe the data
-            # the server's precision (before this process makes any array)
-            jax.config.update("jax_enable_x64", bool(content.config_records["meta"]["x64"]))
-            arrays = self._arrays()
-            info = ConfigRecord({
-                "partition": self.partition, "name": f"client {self.partition}",
-                "rows": int(arrays[0].shape[0]),
-                "shapes": [",".join(str(d) for d in a.shape[1:]) for a in arrays],
-                "dtypes": [str(a.dtype) for a in arrays]})
-            return Message(RecordDict({"setup": info}), reply_to=msg)
-        meta: dict[str, Any] = dict(content.config_records["meta"])
-        built = self._built(int(meta["rows"]))
-        client = unpack(content["client"], built.client, "the server", "client state")
-        self._save(client, {"index": int(meta["index"]), "rows": int(meta["rows"]),
-                            "pending": -1})
-        return Message(RecordDict({"ok": ConfigRecord({"ok": True})}), reply_to=msg)
+        """Describe this node's data (shapes, not values) and keep the server's precision; or
+        (the second exchange) take its initial state (done in ``__init__``)."""
+        if "init" in msg.content.array_records:
+            return Message(RecordDict({"ok": ConfigRecord({"ok": True})}), reply_to=msg)
+        x64 = bool(msg.content.config_records["meta"]["x64"])
+        self.context.state["fedppl.meta"] = ConfigRecord({"x64": x64})
+        arrays = self._arrays()
+        info = ConfigRecord({
+            "partition": self.partition, "name": f"client {self.partition}",
+            "rows": int(arrays[0].shape[0]),
+            "shapes": [",".join(str(d) for d in a.shape[1:]) for a in arrays],
+            "dtypes": [str(a.dtype) for a in arrays]})
+        return Message(RecordDict({"setup": info}), reply_to=msg)
+
+    def _start(self, content: RecordDict) -> None:
+        """This node's initial state, with the first message after the set-up."""
+        meta = dict(content.config_records["init.meta"])
+        built = self._built(int(cast(int, meta["rows"])))
+        client = unpack(content.array_records["init"], built.client, "the server",
+                        "client state")
+        self._save(client, {**self._meta(), "index": int(cast(int, meta["index"])),
+                            "rows": int(cast(int, meta["rows"])), "pending": -1})
 
     def _acknowledge(self, built: _Built, content: RecordDict, meta: dict) -> Any:
         """This node's state after the server's reply to its pending message (if the server sent
@@ -676,9 +701,6 @@ class _Node:
         fault = None if self.task.fault is None else self.task.fault(self.partition, rnd)
         if fault == "crash":
             raise RuntimeError(f"fault injected: partition {self.partition} fails in round {rnd}")
-        if fault == "kill":  # this node's SuperNode dies (the ClientApp's parent process)
-            os.kill(os.getppid(), signal.SIGKILL)
-            os._exit(1)
         message, proposed = built.client_update(server, client, built.data, built.mask, key,
                                                 jnp.asarray(int(meta["index"])))
         self.context.state["fedppl.message"] = pack(message)
@@ -702,8 +724,17 @@ class _Node:
         if built.evaluate is None:
             raise ValueError("this method has no evaluation exchange")
         held = "fedppl.proposed" if int(meta["pending"]) >= 0 else "fedppl.client"
-        candidate = _unflatten(msg.content["candidate"], built.candidate)
-        value = built.evaluate(candidate, self._held(held, built), built.data, built.mask)
+        record = msg.content.array_records["candidate"]
+        like = built.candidate
+        batched = (len(record) > 0 and np.ndim(record.to_numpy_ndarrays()[0])
+                   > len(jax.tree_util.tree_leaves(like)[0].shape))
+        candidate = _unflatten(record, like)
+        client = self._held(held, built)
+        if batched:  # several candidates at once (the server's batched line search)
+            value = jax.vmap(built.evaluate, (0, None, None, None))(candidate, client,
+                                                                   built.data, built.mask)
+        else:
+            value = built.evaluate(candidate, client, built.data, built.mask)
         return Message(RecordDict({"value": pack(value)}), reply_to=msg)
 
     def finish(self, msg: Message) -> Message:
@@ -727,3 +758,11 @@ def _unflatten(record: Any, like: Any) -> Any:
     return jax.tree_util.tree_unflatten(treedef, [
         jax.random.wrap_key_data(jnp.asarray(a)) if _is_key(w) else jnp.asarray(a)
         for a, w in zip(got, leaves, strict=True)])
+
+
+# The ServerApp and ClientApp of any Flower app whose run config names its task
+# (``task = "package.module:function"``): a pyproject.toml's [tool.flwr.app.components] can point
+# at ``fedppl.runtime.flower:server_app`` and ``fedppl.runtime.flower:client_app``.
+_BY_CONFIG = FlowerApp(task_from_config)
+server_app = _BY_CONFIG.server_app()
+client_app = _BY_CONFIG.client_app()

@@ -48,20 +48,42 @@ def _method(name: str):
     return fedppl.FedBNR(spec, kernel="avg", local_steps=3, eval_every=1)
 
 
+def nan(message):
+    """A message with every float replaced by NaN (a broken client)."""
+    return jax.tree_util.tree_map(
+        lambda x: x * np.nan if jax.numpy.issubdtype(x.dtype, jax.numpy.floating) else x, message)
+
+
 def task(run_config: dict[str, Any]) -> Task:
-    """The Flower task named by ``run_config["method"]``."""
+    """The Flower task named by ``run_config["method"]``; ``faults`` (``"1:2:crash 2:2:nan"``:
+    partition, round, kind) injects faults; ``line-search`` (default on) is PVI's option."""
     jax.config.update("jax_enable_x64", True)
     name = str(run_config["method"])
     clients, run_kwargs = _data(name)
-    return Task(_method(name), clients.client, clients.num_clients, ROUNDS,
-                run_kwargs=run_kwargs, round_timeout=run_config.get("round-timeout"))
+    method = _method(name)
+    if name.startswith("pvi") and not run_config.get("line-search", True):
+        method.line_search = False
+    faults = {}
+    for item in str(run_config.get("faults", "")).split():
+        k, r, kind = item.split(":")
+        faults[(int(k), int(r))] = nan if kind == "nan" else kind
+    return Task(method, clients.client, clients.num_clients,
+                int(run_config.get("rounds", 0)) or ROUNDS, run_kwargs=run_kwargs,
+                round_timeout=run_config.get("round-timeout") or None,
+                fault=(lambda k, r: faults.get((k, r))) if faults else None)
 
 
-def embedded(name: str) -> tuple[Any, list[np.ndarray]]:
+def embedded(name: str, rounds: int = ROUNDS, absent: dict | None = None,
+             line_search: bool = True) -> tuple[Any, list[np.ndarray]]:
     """The result, and the leaves of the last server state, of the embedded runtime on the same
-    task (its rounds recorded through the method's ``runtime`` hook)."""
+    task (its rounds recorded through the method's ``runtime`` hook); ``absent[r]``: clients that
+    sit round ``r`` out."""
     clients, run_kwargs = _data(name)
     method, last = _method(name), {}
+    if name.startswith("pvi"):
+        method.line_search = line_search
+    if absent:
+        method = Absent(method, absent)
 
     def runtime(trio, schedule):
         round_fn = make_round(trio, schedule)
@@ -74,7 +96,7 @@ def embedded(name: str) -> tuple[Any, list[np.ndarray]]:
         return recorded
 
     method.runtime = runtime
-    result = method.run(jax.random.key(0), clients, ROUNDS, progress_bar=False, **run_kwargs)
+    result = method.run(jax.random.key(0), clients, rounds, progress_bar=False, **run_kwargs)
     return result, [np.asarray(x) for x in jax.tree_util.tree_leaves(last["server"])]
 
 

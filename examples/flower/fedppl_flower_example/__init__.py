@@ -1,1 +1,1 @@
-"""A Flower app running fedppl's PVI (see ``app.py`` and ``task.py``)."""
+"""A Flower app running fedppl's PVI: its task (``task.py``); the apps are fedppl's own."""

@@ -1,0 +1,217 @@
+"""Flower's Deployment Engine on this machine: a SuperLink and K SuperNodes as processes on
+127.0.0.1, and ``flwr run`` against them (for tests, benchmarks and ``fedppl demo --runtime
+flower-deployment``).
+
+Each process runs from this Python environment (so the ServerApp and ClientApps import fedppl),
+in its own process group, with its own ``FLWR_HOME`` in a temporary folder; leaving the ``with``
+block stops every process (SIGTERM, then SIGKILL) and removes the folder. Flower 1.41 serves
+the SuperLink's Fleet, Control and runtime APIs on one HTTP port; a SuperNode starts a fresh
+``flwr-clientapp`` process for every message, so a ClientApp's state lives in its Flower
+context (``fedppl.runtime.flower`` keeps it there) and each message pays for starting Python
+and JAX; the nodes share a JAX compilation cache so that only the first compiles.
+
+Across real machines the same commands run with TLS instead of ``--insecure``::
+
+    flower-superlink --ssl-ca-certfile ca.crt --ssl-certfile server.pem --ssl-keyfile server.key
+    flower-supernode --superlink SERVER:9091 --root-certificates ca.crt \\
+        --node-config "partition-id=0 num-partitions=3"
+    flwr run examples/flower my-superlink   # [superlink.my-superlink] in $FLWR_HOME/config.toml
+
+Example (``tests/runtime/test_flower_deployment.py`` runs it)::
+
+    with LocalDeployment(2) as fed:       # a SuperLink and two SuperNodes
+        fed.run("examples/flower", {"num-clients": 2, "num-rounds": 1})
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Callable, Mapping
+from pathlib import Path
+from typing import Any
+
+try:
+    import flwr  # noqa: F401
+except ImportError as err:  # pragma: no cover - the extra is installed by make test
+    raise ImportError("fedppl.runtime.deployment needs Flower: pip install 'fedppl[flower]'"
+                      ) from err
+
+__all__ = ["LocalDeployment", "DeploymentError", "free_port"]
+
+
+class DeploymentError(RuntimeError):
+    """A local deployment that did not start, or a run that failed (with the logs)."""
+
+
+def free_port() -> int:
+    """A TCP port on 127.0.0.1 that nothing listens on now."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def _toml(value: Any) -> str:
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if isinstance(value, (int, float)):
+        return repr(value)
+    return json.dumps(str(value))
+
+
+class LocalDeployment:
+    """A SuperLink and ``num_nodes`` SuperNodes on 127.0.0.1 (insecure), node ``k`` with
+    ``node_config(k)`` (default ``partition-id=k num-partitions=num_nodes``); the SuperLink on
+    ``port`` (default: a free one)."""
+
+    def __init__(self, num_nodes: int, *, node_config: Callable[[int], Mapping] | None = None,
+                 start_timeout: float = 60.0, env: Mapping[str, str] | None = None,
+                 port: int | None = None):
+        if num_nodes < 1:
+            raise ValueError(f"num_nodes must be at least 1, got {num_nodes}")
+        self.num_nodes, self.start_timeout = num_nodes, start_timeout
+        self.node_config = node_config or (lambda k: {"partition-id": k,
+                                                      "num-partitions": num_nodes})
+        self.extra_env = dict(env or {})
+        self.requested_port = port
+        self.procs: dict[str, subprocess.Popen] = {}
+        self.home: Path | None = None
+
+    # -- processes -------------------------------------------------------------------------------
+
+    def _bin(self, name: str) -> str:
+        path = Path(sys.executable).parent / name
+        if not path.exists():
+            raise DeploymentError(f"{name} is not installed beside {sys.executable}")
+        return str(path)
+
+    def _env(self) -> dict[str, str]:
+        assert self.home is not None
+        env = dict(os.environ)
+        env.update({"FLWR_HOME": str(self.home / "flwr"), "FLWR_TELEMETRY_ENABLED": "0",
+                    "JAX_COMPILATION_CACHE_DIR": str(self.home / "jax-cache"),
+                    "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS": "0",
+                    "PYTHONPATH": os.pathsep.join([os.getcwd(), env.get("PYTHONPATH", "")]),
+                    # the SuperLink and SuperNodes start flower-superexec and flwr-* by name
+                    "PATH": os.pathsep.join([str(Path(sys.executable).parent),
+                                             env.get("PATH", "")])})
+        env.update(self.extra_env)
+        return env
+
+    def _start(self, name: str, args: list[str]) -> None:
+        assert self.home is not None
+        with open(self.home / f"{name}.log", "wb") as log:
+            self.procs[name] = subprocess.Popen(args, stdout=log, stderr=subprocess.STDOUT,
+                                                env=self._env(), start_new_session=True)
+
+    def log(self, name: str) -> str:
+        """The output of a process (``"superlink"``, ``"node-0"``...)."""
+        assert self.home is not None
+        path = self.home / f"{name}.log"
+        return path.read_text(errors="replace") if path.exists() else ""
+
+    def __enter__(self) -> LocalDeployment:
+        self.home = Path(tempfile.mkdtemp(prefix="fedppl-flower-"))
+        (self.home / "flwr").mkdir()
+        try:
+            self.port = self.requested_port or free_port()
+            self.address = f"127.0.0.1:{self.port}"
+            self._start("superlink", [self._bin("flower-superlink"), "--insecure",
+                                      "--disable-runtime-dependency-installation",
+                                      "--host", "127.0.0.1", "--port", str(self.port)])
+            self._wait(lambda: "Uvicorn running" in self.log("superlink"), "the SuperLink")
+            (self.home / "flwr" / "config.toml").write_text(
+                f'[superlink]\ndefault = "local"\n\n[superlink.local]\n'
+                f'address = "{self.address}"\ninsecure = true\n')
+            for k in range(self.num_nodes):
+                config = " ".join(f"{key}={_toml(v)}" for key, v in self.node_config(k).items())
+                self._start(f"node-{k}", [
+                    self._bin("flower-supernode"), "--insecure", "--superlink", self.address,
+                    "--port", str(free_port()), "--node-config", config])
+            self._wait(lambda: self.log("superlink").count("Activated node_id")
+                       >= self.num_nodes, f"{self.num_nodes} SuperNodes to register")
+        except BaseException:
+            self.__exit__(None, None, None)
+            raise
+        return self
+
+    def _wait(self, ready: Callable[[], bool], what: str) -> None:
+        deadline = time.monotonic() + self.start_timeout
+        while not ready():
+            dead = [n for n, p in self.procs.items() if p.poll() is not None]
+            if dead:
+                raise DeploymentError(f"{dead[0]} exited while waiting for {what}:\n"
+                                      f"{self.log(dead[0])[-2000:]}")
+            if time.monotonic() > deadline:
+                raise DeploymentError(f"timed out after {self.start_timeout:g} s waiting for "
+                                      f"{what}:\n{self.log('superlink')[-2000:]}")
+            time.sleep(0.2)
+
+    def kill_node(self, k: int) -> None:
+        """Kill SuperNode ``k`` (and its ClientApp processes) now, as a crash would."""
+        proc = self.procs[f"node-{k}"]
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait(10)
+
+    def __exit__(self, *exc: Any) -> None:
+        for proc in self.procs.values():  # the SuperLink's and nodes' groups (their children)
+            if proc.poll() is None:
+                with contextlib.suppress(ProcessLookupError):
+                    os.killpg(proc.pid, signal.SIGTERM)
+        deadline = time.monotonic() + 10
+        for proc in self.procs.values():
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                proc.wait(max(0.1, deadline - time.monotonic()))
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(proc.pid, signal.SIGKILL)  # whatever is left in the group
+            proc.wait(10)
+        if self.home is not None and not os.environ.get("FEDPPL_KEEP_FLOWER_LOGS"):
+            shutil.rmtree(self.home, ignore_errors=True)
+
+    # -- runs ------------------------------------------------------------------------------------
+
+    def run(self, app_dir: str | os.PathLike, run_config: Mapping[str, Any] | None = None,
+            timeout: float = 600.0) -> str:
+        """``flwr run`` the app in ``app_dir`` with ``run_config`` overrides; waits until the run
+        ends and returns its log. A run that fails or outlasts ``timeout`` raises
+        :class:`DeploymentError` with the log."""
+        overrides = " ".join(f"{k}={_toml(v)}" for k, v in (run_config or {}).items())
+        args = [self._bin("flwr"), "run", str(app_dir), "local", "--stream"]
+        if overrides:
+            args += ["--run-config", overrides]
+        try:
+            out = subprocess.run(args, capture_output=True, text=True, env=self._env(),
+                                 timeout=timeout)
+        except subprocess.TimeoutExpired as err:
+            partial = err.stdout.decode(errors="replace") if isinstance(err.stdout, bytes) \
+                else str(err.stdout or "")
+            raise DeploymentError(f"the run did not finish within {timeout:g} s:\n"
+                                  f"{partial[-3000:]}") from err
+        log = out.stdout + out.stderr
+        status = self._status(log)
+        if out.returncode != 0 or status != "finished:completed":
+            raise DeploymentError(f"the run ended as {status or out.returncode}:\n{log[-4000:]}")
+        return log
+
+    def _status(self, log: str) -> str:
+        run_id = next((w for line in log.splitlines() if "Successfully started run" in line
+                       for w in line.split() if w.isdigit()), None)
+        if run_id is None:
+            return ""
+        out = subprocess.run([self._bin("flwr"), "ls", "local", "--run-id", run_id, "--format",
+                              "json"], capture_output=True, text=True, env=self._env(),
+                             timeout=60)
+        try:
+            runs = json.loads(out.stdout).get("runs", [])
+            return str(runs[0].get("status", "")) if runs else ""
+        except (json.JSONDecodeError, AttributeError):
+            return ""

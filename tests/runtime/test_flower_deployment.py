@@ -1,0 +1,113 @@
+"""fedppl on Flower's Deployment Engine: a real SuperLink and three SuperNodes as processes on
+127.0.0.1, the run submitted with ``flwr run``, faults injected into the real thing.
+
+Flower 1.41 starts a fresh ClientApp process for every message (Python, JAX and the node's
+compiled step each time: about 10 s a message on 2 cores), so these tests run few rounds, with
+PVI's line search off in the fault test (each line search is one more exchange).
+"""
+
+from __future__ import annotations
+
+import json
+import threading
+import time
+from pathlib import Path
+
+import jax
+import numpy as np
+import pytest
+
+pytest.importorskip("flwr", reason="the Flower tests need the flower extra: "
+                    "pip install 'fedppl[flower]'")
+
+from fedppl.runtime.deployment import DeploymentError, LocalDeployment
+
+from . import flower_tasks
+
+APP = Path(__file__).parent / "flower_app"
+
+jax.config.update("jax_enable_x64", True)
+
+
+def _run(fed, tmp_path, **config):
+    out = tmp_path / "out"
+    fed.run(APP, {**config, "result-dir": str(out)}, timeout=900)
+    with np.load(out / "state.npz") as f:
+        state = [f[k] for k in sorted(f.files, key=lambda s: int(s.split("_")[1]))]
+    return json.loads((out / "result.json").read_text()), state
+
+
+@pytest.fixture(scope="module")
+def fed():
+    with LocalDeployment(3) as deployment:
+        yield deployment
+
+
+def test_deployment_equals_embedded(fed, tmp_path):
+    """PVI with its line search (an evaluate exchange each round) on the Deployment Engine: the
+    server state equals the embedded runtime's to float64 round-off."""
+    result, got = _run(fed, tmp_path, method="pvi-synchronous", rounds=2)
+    want_result = flower_tasks.embedded("pvi-synchronous", rounds=2)
+    _, want = want_result
+    for a, b in zip(got, want, strict=True):
+        np.testing.assert_allclose(a, b, rtol=1e-9, atol=1e-10)
+    assert result["rejected"] == []
+
+
+def test_faults_on_the_real_engine(fed, tmp_path):
+    """A ClientApp that fails (round 2), a node that sends NaN (round 2) and a SuperNode killed
+    during the run: the run completes, ``rejected`` names each event, and the posterior equals
+    an embedded run with the same participating clients."""
+    done = {}
+
+    def run():
+        try:
+            done["out"] = _run(fed, tmp_path, method="pvi-synchronous", rounds=3,
+                               faults="1:2:crash 2:2:nan", **{"line-search": False,
+                                                              "round-timeout": 30.0})
+        except BaseException as err:  # reported below
+            done["error"] = err
+
+    before = fed.log("node-0").count("Receiving: train")  # earlier runs' messages
+    thread = threading.Thread(target=run)
+    thread.start()
+    deadline = time.monotonic() + 600
+    while (fed.log("node-0").count("Receiving: train") < before + 2
+           and time.monotonic() < deadline):
+        time.sleep(0.5)
+    fed.kill_node(0)  # dies in round 2 (or, at the latest, before round 3)
+    thread.join(900)
+    assert "error" not in done, done.get("error")
+    result, got = done["out"]
+    why = {(r, who): reason for r, who, reason in result["rejected"]
+           if not reason.startswith("final acknowledgement")}
+    assert "fault injected" in why[(2, "client 1")]
+    assert (2, "client 2") in why  # NaN, refused by PVI's server
+    gone = sorted(r for r, who in why if who == "client 0")
+    assert gone and gone[-1] == 3 and "no answer" in why[(3, "client 0")]
+    absent: dict[int, list[int]] = {}
+    for r, who, reason in result["rejected"]:
+        if not reason.startswith("final acknowledgement"):
+            absent.setdefault(r, []).append(int(who.split()[-1]))
+    _, want = flower_tasks.embedded("pvi-synchronous", rounds=3, absent=absent,
+                                    line_search=False)
+    for a, b in zip(got, want, strict=True):
+        np.testing.assert_allclose(a, b, rtol=1e-9, atol=1e-10, err_msg=str(result["rejected"]))
+    assert np.all(np.isfinite(np.concatenate([np.ravel(a) for a in got])))
+
+
+def test_unreachable_superlink_is_a_clear_error(tmp_path):
+    """A SuperLink that does not start (its port is taken): an error naming what it waited for,
+    within the start timeout, and no process left behind."""
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        s.listen()
+        taken = s.getsockname()[1]
+        deployment = LocalDeployment(1, start_timeout=30, port=taken)
+        t0 = time.monotonic()
+        with pytest.raises(DeploymentError, match="SuperLink"), deployment:
+            pass
+        assert time.monotonic() - t0 < 60
+    assert all(p.poll() is not None for p in deployment.procs.values())
