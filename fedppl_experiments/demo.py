@@ -16,6 +16,7 @@ from __future__ import annotations
 import json
 import time
 from dataclasses import asdict, dataclass
+from pathlib import Path
 from typing import Any
 
 import jax
@@ -87,7 +88,28 @@ def _on_flower(runtime: str, config: dict[str, Any]) -> PVIResult:
 
     if runtime == "flower":
         return FlowerApp(demo_task).simulate(config)
-    raise ValueError(f"runtime must be one of {RUNTIMES}, got {runtime!r}")
+    if runtime != "flower-deployment":
+        raise ValueError(f"runtime must be one of {RUNTIMES}, got {runtime!r}")
+    import tempfile
+
+    from fedppl.runtime.deployment import LocalDeployment, write_app
+
+    K = int(config["clients"])
+    with tempfile.TemporaryDirectory() as tmp, LocalDeployment(K) as fed:
+        app = write_app(Path(tmp) / "app", "fedppl_experiments.demo:demo_task",
+                        {**config, "result-dir": ""})
+        fed.run(app, {"result-dir": str(Path(tmp) / "out")}, timeout=3600)
+        history = json.loads((Path(tmp) / "out" / "result.json").read_text())["history"]
+        with np.load(Path(tmp) / "out" / "state.npz") as f:
+            leaves = [f[k] for k in sorted(f.files, key=lambda s: int(s.split("_")[1]))]
+    # the server's last state, in the shape the method's own set-up gives it, as a result
+    task = demo_task(config)
+    clients = partition.by_feature(*load_breast_cancer(int(config["seed"]))[:2], K)
+    state = task.method.init(jax.random.key(task.seed), clients)
+    server = jax.tree_util.tree_unflatten(jax.tree_util.tree_structure(state.server),
+                                          [jnp.asarray(a) for a in leaves])
+    return task.method._result(state._replace(server=server),
+                               {k: np.asarray(v, float) for k, v in history.items()}, [])
 
 
 def run_demo(num_clients: int = 10, num_rounds: int = 10, local_steps: int = 100,

@@ -45,7 +45,7 @@ except ImportError as err:  # pragma: no cover - the extra is installed by make 
     raise ImportError("fedppl.runtime.deployment needs Flower: pip install 'fedppl[flower]'"
                       ) from err
 
-__all__ = ["LocalDeployment", "DeploymentError", "free_port"]
+__all__ = ["LocalDeployment", "DeploymentError", "free_port", "write_app"]
 
 
 class DeploymentError(RuntimeError):
@@ -57,6 +57,26 @@ def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return int(s.getsockname()[1])
+
+
+def write_app(folder: str | os.PathLike, task: str, config: Mapping[str, Any],
+              name: str = "fedppl-app") -> Path:
+    """A Flower app in ``folder`` (its ``pyproject.toml``) that runs fedppl's ServerApp and
+    ClientApp with the task ``"package.module:function"`` and the run config ``config`` (every
+    key a run may override, with its default)."""
+    folder = Path(folder)
+    folder.mkdir(parents=True, exist_ok=True)
+    lines = [f"{key} = {_toml(value)}" for key, value in {"task": task, **config}.items()]
+    (folder / "pyproject.toml").write_text(
+        '[build-system]\nrequires = ["hatchling"]\nbuild-backend = "hatchling.build"\n\n'
+        f'[project]\nname = "{name}"\nversion = "0.1.0"\ndescription = "fedppl on Flower"\n'
+        'license = "Apache-2.0"\ndependencies = ["fedppl[flower]"]\n\n'
+        '[tool.hatch.build.targets.wheel]\npackages = ["."]\n\n'
+        '[tool.flwr.app]\npublisher = "fedppl"\n\n[tool.flwr.app.components]\n'
+        'serverapp = "fedppl.runtime.flower:server_app"\n'
+        'clientapp = "fedppl.runtime.flower:client_app"\n\n'
+        "[tool.flwr.app.config]\n" + "\n".join(lines) + "\n")
+    return folder
 
 
 def _toml(value: Any) -> str:

@@ -120,19 +120,22 @@ def test_faults_leave_the_server_as_a_clean_run_without_those_clients():
     def task(run_config):
         base = flower_tasks.task({"method": "pvi-synchronous"})
         return base._replace(method=flower_tasks.Absent(base.method, {5: [0]}), num_rounds=5,
-                             round_timeout=1.5, fault=lambda k, r: faults.get((k, r)))
+                             round_timeout=3.0, fault=lambda k, r: faults.get((k, r)))
 
     app = FlowerApp(task)
     result = app.simulate(num_workers=2)
+    why = {(r, who): reason for r, who, reason in result.rejected
+           if not reason.startswith("final acknowledgement")}
+    assert "fault injected" in why[(2, "client 1")]
+    assert "array" in why[(3, "client 2")] and "expected" in why[(3, "client 2")]
+    assert "no answer within 3 s" in why[(4, "client 0")]
+    assert (5, "client 1") in why  # NaN: refused by the method's own server
+    # a clean run with the same participants (on a loaded machine another answer may be late)
+    absent: dict[int, list[int]] = {5: [0]}
+    for r, who in why:
+        absent.setdefault(r, []).append(int(who.split()[-1]))
     clients, _ = flower_tasks._data("pvi-synchronous")
-    clean = flower_tasks.Absent(flower_tasks._method("pvi-synchronous"),
-                                {2: [1], 3: [2], 4: [0], 5: [0, 1]})
+    clean = flower_tasks.Absent(flower_tasks._method("pvi-synchronous"), absent)
     want = clean.run(jax.random.key(0), clients, 5, progress_bar=False)
     np.testing.assert_allclose(result.q.nat1, want.q.nat1, rtol=1e-9, atol=1e-10)
     np.testing.assert_allclose(result.q.prec, want.q.prec, rtol=1e-9, atol=1e-10)
-    why = {(r, who): reason for r, who, reason in result.rejected}
-    assert "fault injected" in why[(2, "client 1")]
-    assert "array" in why[(3, "client 2")] and "expected" in why[(3, "client 2")]
-    assert "no answer within 1.5 s" in why[(4, "client 0")]
-    assert (5, "client 1") in why  # NaN: refused by the method's own server
-    assert len(why) == 4
