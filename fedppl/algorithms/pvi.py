@@ -14,11 +14,15 @@ prior's correction. One client step:
 3. new factor ``t_k' = (q_k / q_{\\k})^rho * t_k^(1 - rho)`` (damping ``rho``);
 4. the message is ``delta_k = t_k' / t_k``: the only thing that leaves the client.
 
-The server multiplies the deltas it accepts into ``q``: non-finite deltas are rejected, and if the
-new ``q`` would not be positive definite (or, given a ``score``, would lower the global ELBO) the
-step is halved (up to ten times, then dropped). The accepted step is acknowledged to the client,
-which applies the same step to its own factor, so ``q = p * prod_k t_k`` holds exactly on both
-sides.
+The server judges each delta on its own against the current ``q`` (:func:`verdicts`) and refuses
+it, recording why, if it is not finite, if ``q * delta_k`` is not positive definite, or if it is
+implausible: a Jeffreys divergence between ``q`` and ``q * delta_k`` above ``max_divergence``
+nats per dimension (default ``1e8``: a change no client's data can carry, such as precisions
+multiplied by a million million). It multiplies the rest into ``q`` with the largest step in
+1, 1/2, ..., 2^-10 that keeps ``q`` finite and positive definite (and, given a ``score``, does
+not lower the global ELBO). The reply to each client is that step, or a refusal code
+(:data:`REFUSALS`); the client applies its delta with the step it was given, so
+``q = p * prod_k t_k`` holds exactly on both sides.
 
 Example (one synchronous round by hand, as :class:`fedppl.PVI` runs it through the runtime;
 Bayesian linear regression, so the local step is in closed form)::
@@ -68,10 +72,24 @@ from fedppl.handlers.client import client
 __all__ = [
     "ServerState", "ClientState", "ClientMessage", "prior_update", "LocalSolver", "LocalResult",
     "NaturalGradientSolver", "VariationalSolver", "ConjugateSolver",
-    "init", "client_update", "server_update", "acknowledge", "make_trio",
+    "init", "client_update", "server_update", "acknowledge", "make_trio", "verdicts", "REFUSALS",
 ]
 
 STEP_SIZES = tuple(2.0**-i for i in range(11))
+MAX_DIVERGENCE = 1e8
+
+# The server's reply is the step a client's delta was applied with (> 0), or 0 / a negative code
+# saying why it was not: what a front records as the reason.
+NOT_FINITE, NOT_PD, IMPLAUSIBLE, NOT_RECEIVED = -1.0, -2.0, -3.0, -4.0
+REFUSALS = {
+    0.0: "not applied: the combined update left q not positive definite or lowered the ELBO "
+         "at every step",
+    NOT_FINITE: "message not finite",
+    NOT_PD: "q would not be positive definite with this message",
+    IMPLAUSIBLE: "implausible message: it changes q by more than max_divergence nats per "
+                 "dimension (Jeffreys divergence)",
+    NOT_RECEIVED: "no message arrived (the client dropped out of the round)",
+}
 
 
 class ServerState(NamedTuple):
@@ -239,40 +257,69 @@ def _prior_factor(state: ServerState) -> g.Gaussian:
     return state.prior_factor
 
 
+def verdicts(q: g.Gaussian, deltas: g.Gaussian, max_divergence: float = MAX_DIVERGENCE
+             ) -> Array:
+    """Each delta (stacked on axis 0) judged alone against ``q``: 1.0 where acceptable, else the
+    refusal code (:data:`REFUSALS`): not finite, ``q * delta`` not positive definite, or a
+    Jeffreys divergence ``KL(q' || q) + KL(q || q')`` between ``q`` and ``q' = q * delta`` above
+    ``max_divergence`` nats per dimension.
+
+    A client's honest delta always passes the first two (undamped, ``q * delta_k`` is its local
+    optimum ``q_k``; damped, a convex combination of ``q`` and ``q_k`` in natural parameters), so
+    these refuse only broken or hostile messages; the divergence bound refuses finite messages too
+    large for any data set to carry.
+    """
+    finite = g.is_finite(deltas)
+    safe = jax.tree_util.tree_map(
+        lambda d: jnp.where(finite.reshape(finite.shape + (1,) * (d.ndim - 1)), d, 0.0), deltas)
+    moved = jax.vmap(lambda d: g.product(q, d))(safe)
+    pd = g.is_pd(moved) & g.is_finite(moved)
+    # the divergence only where q' is a proper Gaussian (q stands in elsewhere: 0)
+    proper = jax.tree_util.tree_map(
+        lambda m, b: jnp.where(pd.reshape(pd.shape + (1,) * (m.ndim - 1)), m, b[None]), moved, q)
+    jeffreys = jax.vmap(lambda m: g.kl(m, q) + g.kl(q, m))(proper) / q.nat1.shape[-1]
+    plausible = jeffreys <= max_divergence  # False for NaN (overflow): refused too
+    return jnp.where(~finite, NOT_FINITE,
+                     jnp.where(~pd, NOT_PD, jnp.where(~plausible, IMPLAUSIBLE, 1.0)))
+
+
 def server_update(state: ServerState, messages: ClientMessage, received: Array | None = None,
-                  score: Callable[[g.Gaussian], tuple[Array, Array]] | None = None
-                  ) -> tuple[ServerState, Array]:
-    """Apply the finite deltas (stacked on axis 0) with the largest step in 1, 1/2, ..., 2^-10
-    that keeps q positive definite and, if ``score`` is given, does not lower the global ELBO by
-    more than ``1e-2 + 1e-6 |ELBO|`` nats (a line search along the combined update; the slack
-    absorbs the Monte Carlo mismatch between a solver's fixed point and its ELBO estimate).
+                  score: Callable[[g.Gaussian], tuple[Array, Array]] | None = None,
+                  max_divergence: float = MAX_DIVERGENCE) -> tuple[ServerState, Array]:
+    """Apply the acceptable deltas (stacked on axis 0; :func:`verdicts`) with the largest step in
+    1, 1/2, ..., 2^-10 that keeps q finite and positive definite and, if ``score`` is given, does
+    not lower the global ELBO by more than ``1e-2 + 1e-6 |ELBO|`` nats (a line search along the
+    combined update; the slack absorbs the Monte Carlo mismatch between a solver's fixed point
+    and its ELBO estimate).
 
     ``score(q)`` returns the clients' expected log-likelihoods under ``q`` (one per client) and
     ``KL(q || prior)``; the ELBO sums every client whose expected log-likelihood is finite and
-    whose delta is finite, so a client with bad data cannot stall the others. Clients that sat
+    whose delta is acceptable, so a client with bad data cannot stall the others. Clients that sat
     the round out still count (in the embedded runtime their data are at hand; a deployment
     would stand in their factors for them).
     ``received`` (booleans, one per message) marks the clients that replied this round; the
-    others' slots are ignored. Returns the new state and the step each client's delta was applied
-    with (0 = not applied).
+    others' slots are ignored. Returns the new state and each client's reply: the step its delta
+    was applied with, or 0 or a negative refusal code (:data:`REFUSALS`) if it was not applied.
     """
-    ok = g.is_finite(messages.delta)
+    verdict = verdicts(state.q, messages.delta, max_divergence)
+    ok = verdict > 0
     if received is not None:
         ok = ok & received
+        verdict = jnp.where(received, verdict, NOT_RECEIVED)
     clean = jax.tree_util.tree_map(
         lambda d: jnp.where(ok.reshape(ok.shape + (1,) * (d.ndim - 1)), d, 0.0), messages.delta
     )
     total = jax.tree_util.tree_map(lambda d: jnp.sum(d, axis=0), clean)
     sizes = jnp.asarray(STEP_SIZES, dtype=total.nat1.dtype)
     candidates = jax.vmap(lambda s: g.product(state.q, g.scale(total, s)))(sizes)
-    accept = g.is_pd(candidates)
+    accept = g.is_pd(candidates) & g.is_finite(candidates)
     if score is not None:
         # the current q and every candidate scored in one batch (one exchange in a deployment)
         both = jax.tree_util.tree_map(lambda a, b: jnp.concatenate([a[None], b]), state.q,
                                       candidates)
         ells, kls = jax.vmap(score)(both)
         ell = ells[0]
-        use = g.is_finite(messages.delta) & jnp.isfinite(ell)
+        use = (verdict != NOT_FINITE) & jnp.isfinite(ell)
 
         def elbo(ell, kl):
             return jnp.sum(jnp.where(use, ell, 0.0), axis=-1) - kl
@@ -283,7 +330,8 @@ def server_update(state: ServerState, messages: ClientMessage, received: Array |
         accept = accept & (values >= floor)
     step = jnp.where(jnp.any(accept), sizes[jnp.argmax(accept)], 0.0)
     q = g.product(state.q, g.scale(total, step))
-    return state._replace(q=q, round=state.round + 1), jnp.where(ok, step, 0.0)
+    replies = jnp.where(ok, step, jnp.minimum(verdict, 0.0))
+    return state._replace(q=q, round=state.round + 1), replies
 
 
 def acknowledge(states: ClientState, messages: ClientMessage, steps: Array,
@@ -307,7 +355,7 @@ def acknowledge(states: ClientState, messages: ClientMessage, steps: Array,
 
 def make_trio(solver: LocalSolver, damping: float, prior: g.Gaussian, *,
               prior_solver: PriorSolver | None = None, line_search: bool = False,
-              schedule: str = "synchronous") -> Trio:
+              schedule: str = "synchronous", max_divergence: float = MAX_DIVERGENCE) -> Trio:
     """PVI as a :class:`~fedppl.algorithms.trio.Trio` on (:class:`ServerState`,
     :class:`ClientState`, :class:`ClientMessage`); the reply to a client is the step its delta
     was applied with.
@@ -337,16 +385,17 @@ def make_trio(solver: LocalSolver, damping: float, prior: g.Gaussian, *,
     def server(state: ServerState, msgs: ClientMessage, index, received, rng_key, evaluate):
         score = score_with(evaluate)
         if prior_solver is None or schedule == "sequential":
-            return server_update(state, msgs, received, score)
+            return server_update(state, msgs, received, score, max_divergence)
         pmsg, _ = prior_update(state, prior_solver, damping, rng_key)
         both = jax.tree_util.tree_map(lambda a, b: jnp.concatenate([a, b[None]]), msgs, pmsg)
-        state, steps = server_update(state, both, jnp.append(received, True), score)
+        state, steps = server_update(state, both, jnp.append(received, True), score,
+                                     max_divergence)
         return _acknowledge_prior(state, pmsg, steps[-1]), steps[:-1]
 
     def begin(state: ServerState, rng_key):
         assert prior_solver is not None  # begin runs only with a prior solver
         pmsg, _ = prior_update(state, prior_solver, damping, rng_key)
-        new, s = server_update(state, _one(pmsg), jnp.ones(1, bool))
+        new, s = server_update(state, _one(pmsg), jnp.ones(1, bool), None, max_divergence)
         return _acknowledge_prior(state._replace(q=new.q), pmsg, s[0])
 
     def ack(cstate: ClientState, msg: ClientMessage, step, proposed: ClientState):

@@ -166,6 +166,10 @@ class PVI(FederatedMethod):
     :param shrink_warning: warn (once per run, naming the clients whose updates shrink q most)
         when, in any round after the run's first, a marginal sd of q, or the geometric mean of
         its sds (q's entropy per dimension), falls by more than this factor.
+    :param max_divergence: the server refuses (and records, naming the client) a message that
+        alone would change q by more than this Jeffreys divergence in nats per dimension
+        (:func:`fedppl.algorithms.pvi.verdicts`; also refused: non-finite messages and messages
+        with which q would not be positive definite).
     """
 
     name = "PVI"
@@ -176,7 +180,8 @@ class PVI(FederatedMethod):
                  local_steps: int | None = None, num_particles: int | None = None,
                  local_tol: float | None = None, conjugate: bool | str = "auto",
                  elbo_samples: int = 64, clients_per_round: int | None = None,
-                 shrink_warning: float = 2.0, line_search: bool = True):
+                 shrink_warning: float = 2.0, line_search: bool = True,
+                 max_divergence: float = pvi.MAX_DIVERGENCE):
         if not 0.0 < damping <= 1.0:
             raise ValueError(f"damping must be in (0, 1], got {damping}")
         if conjugate not in ("auto", True, False, "polya-gamma"):
@@ -195,6 +200,9 @@ class PVI(FederatedMethod):
             raise ValueError(f"local_tol must be positive, got {local_tol}")
         if not shrink_warning > 1:
             raise ValueError(f"shrink_warning must be a factor > 1, got {shrink_warning}")
+        if not max_divergence > 0:  # also refuses NaN
+            raise ValueError(f"max_divergence must be positive (nats per dimension), got "
+                             f"{max_divergence}")
         if optimizer is not None and solver != "optax" and conjugate != "polya-gamma":
             warnings.warn("optimizer is used only by solver='optax'; the default "
                           "natural-gradient local step needs no optimiser and ignores it",
@@ -216,6 +224,7 @@ class PVI(FederatedMethod):
         self.clients_per_round = clients_per_round
         self.shrink_warning = float(shrink_warning)
         self.line_search = bool(line_search)
+        self.max_divergence = float(max_divergence)
         self._compiled: dict = {}  # trio and ELBO function per solver, reused by later runs
         self._pooled = False  # GlobalVI: one client, the prior correction in its likelihood
 
@@ -309,7 +318,7 @@ class PVI(FederatedMethod):
         if key not in self._compiled:
             trio = pvi.make_trio(solver, self.damping, self.guide.prior,
                                  prior_solver=prior_solver, line_search=self.line_search,
-                                 schedule=self.schedule)
+                                 schedule=self.schedule, max_divergence=self.max_divergence)
             elbo = self._elbo_fn(solver, model, prior_solver) if self.elbo_samples > 0 else None
             self._compiled[key] = (trio, elbo)
         trio, self._elbo = self._compiled[key]
@@ -324,7 +333,7 @@ class PVI(FederatedMethod):
         return g.num_bytes(server.q)
 
     def _refused(self, replies: Array, active: np.ndarray) -> np.ndarray:
-        return np.asarray(replies) == 0
+        return np.asarray(replies) <= 0
 
     def _record(self, before, after, msgs, steps, active, rng_key) -> dict[str, Any]:
         q_old, q_new = before.server.q, after.server.q
@@ -332,7 +341,7 @@ class PVI(FederatedMethod):
         row = {"free_energy": np.where(active, np.asarray(msgs.free_energy), np.nan),
                "converged": np.where(active, np.asarray(msgs.converged, float), np.nan),
                "local_iterations": np.where(active, np.asarray(msgs.iterations, float), np.nan),
-               "step": np.where(active, np.asarray(steps, float), np.nan),
+               "step": np.where(active, np.maximum(np.asarray(steps, float), 0.0), np.nan),
                "kl_change": float(_kl_change(q_new, q_old))}
         row["elbo"] = np.nan
         if self._elbo is not None and self.data_at_server:
@@ -486,13 +495,13 @@ class _RoundLog:
 
     def report(self, r: int, steps: np.ndarray, msgs, active: np.ndarray, q_old: g.Gaussian,
                q_new: g.Gaussian) -> None:
-        bad = np.nonzero(active & (steps == 0))[0]
-        reason = "update not finite, or q not positive definite with it"
-        for k in bad:
-            self.rejected.append((r + 1, self.names[k], reason))
-        if len(bad):
-            _warn(f"round {r + 1}: rejected the updates of {self._list(bad)} ({reason}); "
-                  "their factors are unchanged")
+        for code, reason in pvi.REFUSALS.items():
+            bad = np.nonzero(active & (steps == code))[0]
+            for k in bad:
+                self.rejected.append((r + 1, self.names[k], reason))
+            if len(bad):
+                _warn(f"round {r + 1}: refused the updates of {self._list(bad)} ({reason}); "
+                      "their factors are unchanged")
         shrunk = np.nonzero((steps > 0) & (steps < 1))[0]
         if len(shrunk):
             _warn(f"round {r + 1}: updates of {self._list(shrunk)} applied with step "
@@ -524,7 +533,7 @@ class _RoundLog:
         dprec = np.asarray(msgs.delta.prec)
         if dprec.ndim == 3:
             prec_old, dprec = np.diagonal(prec_old), np.diagonal(dprec, axis1=1, axis2=2)
-        pull = np.max(np.asarray(steps)[:, None] * dprec / prec_old, axis=1)
+        pull = np.max(np.maximum(np.asarray(steps), 0.0)[:, None] * dprec / prec_old, axis=1)
         top = np.argsort(-pull)[:5]
         top = top[pull[top] > 0]
         _warn(f"round {r + 1}: q's uncertainty collapsed (a marginal sd fell to {worst:.3g} of "

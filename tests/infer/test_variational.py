@@ -172,7 +172,7 @@ def test_non_finite_update_is_rejected_and_recorded(linear_data):
     clients = fedppl.Clients.from_list(parts)
     pvi = fedppl.PVI(linear_model, PVIGuide(linear_model, family="fullrank"),
                      schedule="synchronous")
-    with pytest.warns(RuntimeWarning, match="rejected the updates of client 1"):
+    with pytest.warns(RuntimeWarning, match="refused the updates of client 1"):
         result = pvi.run(jax.random.key(0), clients, 2, progress_bar=False)
     assert [(r, c) for r, c, _ in result.rejected] == [(1, "client 1"), (2, "client 1")]
     # the server state is what the two good clients alone give

@@ -7,6 +7,7 @@ embedded runtime and returns its last server state, for the equality tests.
 
 from __future__ import annotations
 
+from functools import partial
 from typing import Any
 
 import jax
@@ -15,6 +16,8 @@ import numpy as np
 import fedppl
 from fedppl.models import linear_regression
 from fedppl.runtime import make_round
+from fedppl.runtime.faults import _CORRUPT as CORRUPTIONS
+from fedppl.runtime.faults import corrupt
 from fedppl.runtime.flower import Task
 
 TASKS = ("pvi-synchronous", "pvi-sequential", "fsgp", "fedbnr")
@@ -48,15 +51,10 @@ def _method(name: str):
     return fedppl.FedBNR(spec, kernel="avg", local_steps=3, eval_every=1)
 
 
-def nan(message):
-    """A message with every float replaced by NaN (a broken client)."""
-    return jax.tree_util.tree_map(
-        lambda x: x * np.nan if jax.numpy.issubdtype(x.dtype, jax.numpy.floating) else x, message)
-
-
 def task(run_config: dict[str, Any]) -> Task:
     """The Flower task named by ``run_config["method"]``; ``faults`` (``"1:2:crash 2:2:nan"``:
-    partition, round, kind) injects faults; ``line-search`` (default on) is PVI's option."""
+    partition, round, kind: a node's fault, or a corruption of its message from
+    :mod:`fedppl.runtime.faults`) injects faults; ``line-search`` (default on) is PVI's option."""
     jax.config.update("jax_enable_x64", True)
     name = str(run_config["method"])
     clients, run_kwargs = _data(name)
@@ -66,7 +64,8 @@ def task(run_config: dict[str, Any]) -> Task:
     faults = {}
     for item in str(run_config.get("faults", "")).split():
         k, r, kind = item.split(":")
-        faults[(int(k), int(r))] = nan if kind == "nan" else kind
+        faults[(int(k), int(r))] = (partial(corrupt, kind=kind) if kind in CORRUPTIONS
+                                    else kind)
     return Task(method, clients.client, clients.num_clients,
                 int(run_config.get("rounds", 0)) or ROUNDS, run_kwargs=run_kwargs,
                 round_timeout=run_config.get("round-timeout") or None,

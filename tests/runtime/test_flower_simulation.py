@@ -6,6 +6,8 @@ Each simulation starts Ray (about 10 s on 2 cores), so each method runs once her
 
 from __future__ import annotations
 
+from functools import partial
+
 import jax
 import numpy as np
 import pytest
@@ -13,6 +15,7 @@ import pytest
 pytest.importorskip("flwr", reason="the Flower tests need the flower extra: "
                     "pip install 'fedppl[flower]'")
 
+from fedppl.runtime.faults import corrupt
 from fedppl.runtime.flower import FlowerApp, FlowerError, Task, pack, unpack
 
 from . import flower_tasks
@@ -104,18 +107,14 @@ def test_flower_task_needs_enough_nodes():
     assert isinstance(app, FlowerApp) and Task is not None
 
 
-def _nan(message):
-    return jax.tree_util.tree_map(
-        lambda x: x * np.nan if jax.numpy.issubdtype(x.dtype, jax.numpy.floating) else x, message)
-
-
 def test_faults_leave_the_server_as_a_clean_run_without_those_clients():
     """A node that crashes, sends a message of the wrong shape, answers after the round's timeout
     or sends NaN: that round's server update goes on without it, ``rejected`` names it with the
     reason, and the posterior equals an embedded run in which those clients sat those rounds
     out. The straggler's late answer (round 4) is never applied: the node learns so when the
     run ends and keeps its old factor."""
-    faults = {(1, 2): "crash", (2, 3): "wrong_shape", (0, 4): "slow", (1, 5): _nan}
+    faults = {(1, 2): "crash", (2, 3): "wrong_shape", (0, 4): "slow",
+              (1, 5): partial(corrupt, kind="nan")}
 
     def task(run_config):
         base = flower_tasks.task({"method": "pvi-synchronous"})
