@@ -87,24 +87,36 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--clients", type=int, nargs="+", default=[10, 100])
     p.add_argument("--rounds", type=int, default=4)
+    p.add_argument("--repeats", type=int, default=1,
+                   help="runs per engine and K; the row is the median over them")
     p.add_argument("--engines", nargs="+", default=list(ENGINES), choices=ENGINES)
     args = p.parse_args()
     rows = []
     for K in args.clients:
         for engine in args.engines:
             try:
-                rows.append(run(engine, K, args.rounds))
+                runs = [run(engine, K, args.rounds) for _ in range(args.repeats)]
             except ImportError as err:
                 print(f"skipping {engine}: {err}")
                 continue
-            r = rows[-1]
+            r = {k: (float(np.median([x[k] for x in runs])) if isinstance(v, float) else v)
+                 for k, v in runs[0].items()}
+            r["repeats"] = args.repeats
+            rows.append(r)
             print(f"{engine:>11} K={K:<4} {r['seconds_per_round']:8.3f} s/round  "
                   f"(first {r['first_round_seconds']:.2f} s)  up {r['bytes_up_per_round']:.0f} B"
                   f"  down {r['bytes_down_per_round']:.0f} B  wall {r['wall_seconds']:.1f} s")
+    # rows of engines and sizes not run this time are kept from the last file
+    done = {(r["engine"], r["clients"]) for r in rows}
+    if OUT.exists():
+        rows = [r for r in json.loads(OUT.read_text())["rows"]
+                if (r["engine"], r["clients"]) not in done] + rows
+    rows.sort(key=lambda r: (r["clients"], ENGINES.index(r["engine"])))
     OUT.parent.mkdir(exist_ok=True)
     OUT.write_text(json.dumps({
         "what": "seconds and bytes per synchronous PVI round (BLR, 5 features, 20 rows per "
-                "client): embedded vs Flower engines; median over rounds after the first",
+                "client): embedded vs Flower engines; median over rounds after the first, then "
+                "over repeats",
         "machine": f"{platform.node()} {platform.machine()} {os.cpu_count()} cores, "
                    f"{jax.default_backend()}",
         "flwr": __import__("flwr").__version__, "rows": rows}, indent=1))

@@ -35,7 +35,7 @@ def _data(name: str):
         X = rng.uniform(-2, 2, (60, 1))
         return fedppl.partition.homogeneous(X, np.sin(2 * X[:, 0]), num_clients=3, seed=0), {}
     X = np.linspace(-3, 3, 60)[:, None]
-    clients = fedppl.partition.homogeneous(X, np.sin(X[:, 0]), num_clients=2, seed=0)
+    clients = fedppl.partition.homogeneous(X, np.sin(X[:, 0]), num_clients=3, seed=0)
     return clients, {"validation": (X[::7], np.sin(X[::7, 0]))}
 
 
