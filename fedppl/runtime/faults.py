@@ -42,6 +42,7 @@ that arrived is refused, and the server's record says why)::
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
+from functools import lru_cache
 from typing import Any
 
 import jax
@@ -74,6 +75,30 @@ def corrupt(message: Any, kind: str) -> Any:
         message)
 
 
+@lru_cache(maxsize=16)
+def _faulty_round(trio: Trio, schedule: str, kinds: tuple[str, ...]) -> Callable:
+    """The compiled round with a fault plan as its last argument (one per trio, schedule and
+    kinds, shared by every :class:`Faults` that drives them)."""
+
+    @jax.jit
+    def faulty_round(server, clients, data, masks, keys, active, server_key, plan):
+        def server_update(server, msgs, index, received, key, evaluate):
+            code = plan[index]
+            for i, kind in enumerate(kinds):
+                hit = code == _DROPPED + 1 + i
+                msgs = jax.tree_util.tree_map(
+                    lambda x, f=_CORRUPT[kind], hit=hit:
+                    jnp.where(hit.reshape(hit.shape + (1,) * (x.ndim - 1)), f(x), x)
+                    if jnp.issubdtype(x.dtype, jnp.inexact) else x, msgs)
+            return trio.server_update(server, msgs, index, received & (code != _DROPPED),
+                                      key, evaluate)
+
+        inner = make_round(trio._replace(server_update=server_update), schedule)
+        return inner(server, clients, data, masks, keys, active, server_key)
+
+    return faulty_round
+
+
 class Faults:
     """A runtime that injects dropouts and corrupted messages (see the module docstring)."""
 
@@ -96,22 +121,7 @@ class Faults:
                              f"schedules, not {schedule!r} or a host-side protocol")
         self.events, rng = [], np.random.default_rng(self.seed)
         kinds, count = self.kinds, [0]
-
-        @jax.jit
-        def faulty_round(server, clients, data, masks, keys, active, server_key, plan):
-            def server_update(server, msgs, index, received, key, evaluate):
-                code = plan[index]
-                for i, kind in enumerate(kinds):
-                    hit = code == _DROPPED + 1 + i
-                    msgs = jax.tree_util.tree_map(
-                        lambda x, f=_CORRUPT[kind], hit=hit:
-                        jnp.where(hit.reshape(hit.shape + (1,) * (x.ndim - 1)), f(x), x)
-                        if jnp.issubdtype(x.dtype, jnp.inexact) else x, msgs)
-                return trio.server_update(server, msgs, index, received & (code != _DROPPED),
-                                          key, evaluate)
-
-            inner = make_round(trio._replace(server_update=server_update), schedule)
-            return inner(server, clients, data, masks, keys, active, server_key)
+        faulty_round = _faulty_round(trio, schedule, kinds)
 
         def round_fn(server, clients, data, masks, keys, active, server_key):
             count[0] += 1
