@@ -111,3 +111,13 @@ def Absent(method, absent: dict[int, list[int]]):
 
     method.__class__ = Absent
     return method
+
+
+def secagg_statistics(k: int):
+    """Partition k's sufficient statistics of the PVI tasks' regression (features and a bias):
+    what an exact method's server needs only the sum of."""
+    from fedppl.algorithms import exact
+
+    clients, _ = _data("pvi-synchronous")
+    X, y = clients.client(k)
+    return exact.client_stats(np.hstack([X, np.ones((len(X), 1))]), y)

@@ -138,3 +138,34 @@ def test_faults_leave_the_server_as_a_clean_run_without_those_clients():
     want = clean.run(jax.random.key(0), clients, 5, progress_bar=False)
     np.testing.assert_allclose(result.q.nat1, want.q.nat1, rtol=1e-9, atol=1e-10)
     np.testing.assert_allclose(result.q.prec, want.q.prec, rtol=1e-9, atol=1e-10)
+
+
+def test_secure_aggregation_sums_the_statistics():
+    """SecAgg+ (Flower's secaggplus_mod on every node): the securely aggregated sufficient
+    statistics equal their plain sum to the quantisation's bound, and give the same exact
+    posterior; a node whose statistics exceed the public scale is refused by name."""
+    from fedppl.algorithms import exact
+    from fedppl.runtime.secagg import QUANTIZATION, SumTask, secure_sum
+
+    like = jax.eval_shape(lambda: flower_tasks.secagg_statistics(0))
+    task = SumTask(flower_tasks.secagg_statistics, like, num_clients=3, scale=1e3)
+    secure = secure_sum(task)
+    plain = exact.aggregate([flower_tasks.secagg_statistics(k) for k in range(3)])
+    bound = 3 * task.scale * 2 / QUANTIZATION
+    assert isinstance(secure, exact.Stats)
+    for a, b in zip(secure, plain, strict=True):
+        assert np.shape(a) == np.shape(b)
+        np.testing.assert_allclose(a, np.asarray(b), rtol=0, atol=bound)
+    m, _ = exact.g.to_moments(exact.posterior(jax.tree_util.tree_map(jax.numpy.asarray, secure),
+                                              1.0, 1.0))
+    m0, c0 = exact.g.to_moments(exact.posterior(plain, 1.0, 1.0))
+    # to first order, entries of X'X and X'y off by at most `bound` move the mean by at most
+    # ||A^-1|| (||d(X'y)|| + ||d(X'X)|| ||m||) (noise and prior scale 1); twice that covers the rest
+    dim = len(m0)
+    moved = np.linalg.norm(np.asarray(c0), 2) * bound * (np.sqrt(dim) + dim * np.linalg.norm(m0))
+    assert np.linalg.norm(np.asarray(m - m0)) <= 2 * moved
+    # a node whose statistics exceed the public scale refuses to send them, naming itself
+    from fedppl.runtime.secagg import _Node
+
+    with pytest.raises(ValueError, match=r"partition 1: .* beyond the task's scale"):
+        _Node(task._replace(scale=1.0), 1).fit([], {})
