@@ -33,10 +33,12 @@ import warnings
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import NamedTuple
+from typing import TYPE_CHECKING, NamedTuple
 
 import numpy as np
-from sklearn.preprocessing import StandardScaler
+
+if TYPE_CHECKING:  # scikit-learn is imported where a scaler is fitted (it costs ~1 s to load)
+    from sklearn.preprocessing import StandardScaler
 
 __all__ = ["UCIData", "load_uci", "Standardiser", "Split", "train_test_val_split"]
 
@@ -156,6 +158,8 @@ def _scaler(a: np.ndarray) -> StandardScaler:
     """sklearn's StandardScaler on the columns of ``a``; an exactly constant column is centred on
     its value (so it maps to exactly 0; sklearn already gives it scale 1: its float std can be
     ~1e-16 rather than 0, as in naval-propulsion-plant, and would blow rounding noise up)."""
+    from sklearn.preprocessing import StandardScaler
+
     scaler = StandardScaler().fit(a)
     const = _constant_columns(a)
     scaler.mean_ = np.where(const, a[0], scaler.mean_)

@@ -58,12 +58,13 @@ import math
 import warnings
 from collections import Counter
 from collections.abc import Callable
-from typing import Any, NamedTuple
+from typing import TYPE_CHECKING, Any, NamedTuple
 
-import dp_accounting
 import numpy as np
-from dp_accounting import pld, rdp
 from scipy import linalg
+
+if TYPE_CHECKING:  # dp_accounting loads scipy.signal and scipy.stats (~0.8 s): imported on use
+    import dp_accounting
 
 __all__ = [
     "RULES",
@@ -76,7 +77,6 @@ __all__ = [
 ]
 
 RULES = ("hall", "thesis")
-_NEIGHBOURS = dp_accounting.NeighboringRelation.ADD_OR_REMOVE_ONE
 
 
 class DPRelease(NamedTuple):
@@ -366,6 +366,8 @@ class PrivacyAccountant:
 
     def dp_event(self) -> dp_accounting.DpEvent:
         """The ``dp_accounting`` event describing everything released so far."""
+        import dp_accounting
+
         sigmas = [s for s in self._multipliers if math.isfinite(s)]
         if not sigmas:
             return dp_accounting.NoOpDpEvent()
@@ -377,14 +379,18 @@ class PrivacyAccountant:
 
     def epsilon(self, target_delta: float) -> float:
         """Composed epsilon of all releases so far at ``target_delta`` (0 with none)."""
+        import dp_accounting
+        from dp_accounting import pld, rdp
+
         target_delta = _check_delta(target_delta)
         event = self.dp_event()
         if isinstance(event, dp_accounting.NoOpDpEvent):
             return 0.0
+        neighbours = dp_accounting.NeighboringRelation.ADD_OR_REMOVE_ONE
         if self.method == "pld":
-            acc = pld.PLDAccountant(_NEIGHBOURS, self.value_discretization_interval)
+            acc = pld.PLDAccountant(neighbours, self.value_discretization_interval)
         else:
-            acc = rdp.RdpAccountant(neighboring_relation=_NEIGHBOURS)
+            acc = rdp.RdpAccountant(neighboring_relation=neighbours)
         acc.compose(event)
         return float(acc.get_epsilon(target_delta))
 
