@@ -32,6 +32,14 @@ jax.config.update("jax_enable_x64", True)
 
 OUT = Path(__file__).parent / "results" / "flower_overhead.json"
 ENGINES = ("embedded", "simulation", "deployment")
+# resident memory of one idle SuperNode (flower-supernode and its children), measured here with
+# `ps` on fedppl.runtime.deployment.LocalDeployment's processes; a ClientApp process with JAX and
+# fedppl peaks at about 0.5 GiB more while it handles a message
+NODE_GIB = 0.26
+
+
+def _memory_gib() -> float:
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2**30
 
 
 def task(run_config):
@@ -72,6 +80,12 @@ def run(engine: str, K: int, rounds: int) -> dict:
     else:
         from fedppl.runtime.deployment import LocalDeployment
 
+        need, have = K * NODE_GIB, _memory_gib()
+        if need > 0.8 * have:
+            raise MemoryError(f"{K} SuperNodes need about {need:.0f} GiB ({NODE_GIB} GiB each, "
+                              f"measured, before their ClientApp processes); this machine has "
+                              f"{have:.0f} GiB")
+
         app = Path(__file__).resolve().parents[1] / "examples" / "flower"
         with tempfile.TemporaryDirectory() as out, LocalDeployment(K) as fed:
             fed.run(app, run_config={"task": "benchmarks.flower_overhead:task",
@@ -98,6 +112,10 @@ def main() -> None:
                 runs = [run(engine, K, args.rounds) for _ in range(args.repeats)]
             except ImportError as err:
                 print(f"skipping {engine}: {err}")
+                continue
+            except MemoryError as err:
+                print(f"skipping {engine} K={K}: {err}")
+                rows.append({"engine": engine, "clients": K, "skipped": str(err)})
                 continue
             r = {k: (float(np.median([x[k] for x in runs])) if isinstance(v, float) else v)
                  for k, v in runs[0].items()}

@@ -30,10 +30,14 @@ __all__ = ["Clients"]
 
 @dataclass(frozen=True)
 class Clients:
-    """Validated per-client data; build with :meth:`from_list` or :mod:`fedppl.partition`."""
+    """Validated per-client data; build with :meth:`from_list` or :mod:`fedppl.partition`.
+
+    ``pad_to``: the padded size when it must be more than the largest client's (a Flower node,
+    which holds one client, pads its data to the size the server set up)."""
 
     data: tuple[tuple[np.ndarray, ...], ...]
     names: tuple[str, ...] = field(default=())
+    pad_to: int = 0
 
     def __post_init__(self):
         if len(self.data) == 0:
@@ -71,9 +75,14 @@ class Clients:
                 raise ValueError(f"{who}: array shapes {trailing} differ from client 0's {ref}")
 
     @classmethod
-    def from_list(cls, data: Sequence[Sequence[np.ndarray]], names: Sequence[str] = ()) -> Clients:
+    def from_list(cls, data: Sequence[Sequence[np.ndarray]], names: Sequence[str] = (),
+                  pad_to: int = 0) -> Clients:
         """One entry per client, each a tuple of arrays with a common leading length."""
-        return cls(tuple(tuple(np.asarray(a) for a in d) for d in data), tuple(names))
+        return cls(tuple(tuple(np.asarray(a) for a in d) for d in data), tuple(names), pad_to)
+
+    def with_data(self, data: Sequence[Sequence[np.ndarray]]) -> Clients:
+        """The same clients (names, padding) holding ``data`` instead (checked, cast arrays)."""
+        return Clients.from_list(data, self.names, self.pad_to)
 
     @property
     def num_clients(self) -> int:
@@ -85,7 +94,8 @@ class Clients:
 
     @property
     def max_size(self) -> int:
-        return int(self.sizes.max())
+        """The padded size: the largest client's rows, or ``pad_to`` if more."""
+        return max(int(self.sizes.max()), self.pad_to)
 
     @property
     def stacked(self) -> tuple[jnp.ndarray, ...]:

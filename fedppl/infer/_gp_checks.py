@@ -41,7 +41,7 @@ def regression_clients(clients: Any, binary: bool = False) -> Clients:
         if binary:
             validation.labels_in(y, (0.0, 1.0), who, "Bernoulli labels")
         out.append((X, y))
-    return Clients.from_list(out, clients.names)
+    return clients.with_data(out)
 
 
 def _numbers(name: str, a: Any) -> np.ndarray:

@@ -293,7 +293,8 @@ class PFedMul(FederatedMethod):
         return {"elbo": float(np.mean(elbo[ok])) if ok.any() else np.nan,
                 "client_elbo": np.where(active, elbo, np.nan),
                 "exact_elbo": float(_exact_elbo(self.spec, after.clients, after.data,
-                                                after.masks))}
+                                                after.masks))
+                if self.data_at_server else np.nan}  # a deployment's server holds no data
 
     def _result(self, state: RunState, history, rejected) -> PFedMulResult:
         return PFedMulResult(history=history, client_names=self._names, rejected=rejected,
@@ -313,7 +314,7 @@ def task_clients(clients: Clients, task: int) -> Clients:
         if not keep.any():
             raise ValueError(f"{name} has no rows of task {task}")
         out.append((np.asarray(X)[keep], np.asarray(y)[keep], np.zeros(int(keep.sum()), int)))
-    return Clients.from_list(out, clients.names)
+    return clients.with_data(out)
 
 
 # -- validation (before anything is compiled) ------------------------------------------------------
@@ -390,4 +391,4 @@ def _check_clients(spec: MOGPSpec, hyper: Hyper, clients: Any) -> Clients:
         cls = np.isin(task, [t for t, k in enumerate(spec.kinds) if k == "classification"])
         v.labels_in(y[cls], (0, 1), name, "classification labels")
         out.append((X.astype(float), y.astype(float), task.astype(np.int32)))
-    return Clients.from_list(out, clients.names)
+    return clients.with_data(out)

@@ -245,6 +245,14 @@ class FederatedSGP(FederatedMethod):
         X_stack, y_stack = (np.asarray(a) for a in clients.stacked)
         D = X_stack.shape[2]
         spec = self._spec(D)
+        if not self.data_at_server:  # a deployment's server holds no data to set up from
+            if self.method == "global":
+                raise ValueError("global VI fits the pooled data in one place; it does not run "
+                                 "on a federation")
+            if spec.factor == "dpo" and self.config.pseudo_init == "data":
+                raise ValueError("pseudo_init='data' draws each client's pseudo-inputs from its "
+                                 "data at the set-up, which a deployment's server does not "
+                                 "hold: use pseudo_init='prior'")
         state = _initial_state(self.method, spec, self.config, clients, rng_key)
         if spec not in self._trios:
             self._trios[spec] = sgp_pvi.make_trio(spec, self.optimizer)
@@ -278,8 +286,9 @@ class FederatedSGP(FederatedMethod):
                           f"{refused}; their factors are unchanged", RuntimeWarning, stacklevel=4)
         K = len(active)
         comms = after.round * (K if self.schedule == "synchronous" else 1)
-        fe = _free_energy_jit(self._run_spec, after.server, *self._flat, rng_key,
-                              FREE_ENERGY_SAMPLES)
+        fe = (_free_energy_jit(self._run_spec, after.server, *self._flat, rng_key,
+                               FREE_ENERGY_SAMPLES)
+              if self.data_at_server else np.nan)  # a deployment's server holds no data
         return {"free_energy": float(fe),
                 "local_free_energy": np.where(active, np.asarray(msgs.free_energy), np.nan),
                 "communications": comms, "passes": comms / K}

@@ -588,6 +588,29 @@ class _Node:
             _BUILT[key] = self._build(rows)
         return _BUILT[key]
 
+    def _set_up(self, clients: Clients) -> dict[str, Any]:
+        """The method's own run on ``clients`` up to its first round: its trio, server state
+        and (stacked) client states."""
+        method = self.task.method
+        seen: dict[str, Any] = {}
+
+        def runtime(trio, schedule):
+            def capture(server, clients, data, masks, keys, active, server_key):
+                seen.update(trio=trio, server=server, clients=clients)
+                raise _Captured
+
+            return capture
+
+        method.runtime = runtime
+        try:
+            method.run(jax.random.key(self.task.seed), clients, 1, progress_bar=False,
+                       **dict(self.task.run_kwargs))
+        except _Captured:
+            pass
+        finally:
+            method.runtime = None
+        return seen
+
     def _build(self, rows: int) -> _Built:
         arrays = self._arrays()
         n = arrays[0].shape[0]
@@ -595,28 +618,12 @@ class _Node:
             raise ValueError(f"partition {self.partition} has {n} rows, the server set up {rows}")
         # The method's own run on this node's data (which checks that they fit the model) up to
         # its first round: the trio and this node's states, as the server's set-up has them.
-        method = self.task.method
-        seen: dict[str, Any] = {}
-
-        def runtime(trio, schedule):
-            def capture(server, clients, data, masks, keys, active, server_key):
-                seen.update(trio=trio, server=server, client=_index(clients, 0))
-                raise _Captured
-
-            return capture
-
-        method.runtime = runtime
-        try:
-            method.run(jax.random.key(self.task.seed), Clients.from_list([arrays]), 1,
-                       progress_bar=False, **dict(self.task.run_kwargs))
-        except _Captured:
-            pass
-        finally:
-            method.runtime = None
-        trio, server, client = seen["trio"], _shapes(seen["server"]), _shapes(seen["client"])
-        data = tuple(jnp.asarray(np.concatenate([a, np.zeros((rows - n, *a.shape[1:]), a.dtype)]))
-                     for a in arrays)
-        mask = jnp.asarray(np.arange(rows) < n)
+        clients = Clients.from_list([arrays], pad_to=rows)  # padded as the server set it up
+        seen = self._set_up(clients)
+        trio, server = seen["trio"], _shapes(seen["server"])
+        client = _shapes(_index(seen["clients"], 0))
+        data = tuple(a[0] for a in clients.stacked)
+        mask = clients.mask[0]
         msg = jax.eval_shape(trio.client_update, server, client, data, mask,
                              jax.random.key(0), jnp.asarray(0))[0]
         candidates: list = []
@@ -668,13 +675,20 @@ class _Node:
         return Message(RecordDict({"setup": info}), reply_to=msg)
 
     def _start(self, content: RecordDict) -> None:
-        """This node's initial state, with the first message after the set-up."""
+        """This node's initial state, with the first message after the set-up: computed here,
+        as the method's set-up computes client ``index``'s from its own data (such as inducing
+        inputs drawn from its rows), with a stand-in (every value 1) in the other clients'
+        places; the server's record of it, made on a stand-in, is only checked for shapes."""
         meta = dict(content.config_records["init.meta"])
-        built = self._built(int(cast(int, meta["rows"])))
-        client = unpack(content.array_records["init"], built.client, "the server",
-                        "client state")
-        self._save(client, {**self._meta(), "index": int(cast(int, meta["index"])),
-                            "rows": int(cast(int, meta["rows"])), "pending": -1})
+        index, rows = int(cast(int, meta["index"])), int(cast(int, meta["rows"]))
+        built = self._built(rows)
+        unpack(content.array_records["init"], built.client, "the server", "client state")
+        own = self._arrays()
+        data = [tuple(np.ones((rows, *a.shape[1:]), a.dtype) for a in own)
+                for _ in range(self.task.num_clients)]
+        data[index] = own
+        client = _index(self._set_up(Clients.from_list(data))["clients"], index)
+        self._save(client, {**self._meta(), "index": index, "rows": rows, "pending": -1})
 
     def _acknowledge(self, built: _Built, content: RecordDict, meta: dict) -> Any:
         """This node's state after the server's reply to its pending message (if the server sent

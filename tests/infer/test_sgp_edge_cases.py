@@ -58,3 +58,19 @@ def test_duplicate_fixed_inducing_inputs_warn_and_stay_finite(method):
         result = _front(method, num_inducing=4, fixed_inducing=Z).run(
             jax.random.key(0), _clients([20, 20]), 2, progress_bar=False)
     assert np.all(np.isfinite(result.history["free_energy"])) and _finite(result.state)
+
+
+@pytest.mark.parametrize("method, settings, refused", [
+    ("dpo", {}, "pseudo_init='prior'"), ("global", {}, "pooled data"),
+    ("fsgp", {}, "init_inducing='random-normal'"), ("dpo", {"pseudo_init": "prior"}, None),
+    ("cpo", {}, None), ("fsgp", {"init_inducing": "random-normal"}, None)])
+def test_a_server_without_the_data_refuses_a_set_up_that_reads_them(method, settings, refused):
+    """On a deployment (Flower) the server sets up on a stand-in for the clients' data: a set-up
+    that would read data values there is refused with the way out, not run on the stand-in."""
+    front = _front(method, num_inducing=3, **settings)
+    front.data_at_server = False
+    if refused is None:
+        front.init(jax.random.key(0), _clients([10, 10]))
+    else:
+        with pytest.raises(ValueError, match=refused):
+            front.init(jax.random.key(0), _clients([10, 10]))

@@ -20,7 +20,7 @@ from fedppl.runtime.faults import _CORRUPT as CORRUPTIONS
 from fedppl.runtime.faults import corrupt
 from fedppl.runtime.flower import Task
 
-TASKS = ("pvi-synchronous", "pvi-sequential", "fsgp", "fedbnr")
+TASKS = ("pvi-synchronous", "pvi-sequential", "fsgp", "fedbnr", "sgp-dpo", "pfedmul")
 ROUNDS = 3
 
 
@@ -30,13 +30,32 @@ def _data(name: str):
         X = rng.normal(size=(90, 2))
         y = X @ np.array([1.0, -0.5]) + rng.normal(size=90)
         return fedppl.partition.homogeneous(X, y, num_clients=3, seed=0), {}
-    if name == "fsgp":
+    if name in ("fsgp", "sgp-dpo"):
         rng = np.random.default_rng(0)
         X = rng.uniform(-2, 2, (60, 1))
         return fedppl.partition.homogeneous(X, np.sin(2 * X[:, 0]), num_clients=3, seed=0), {}
+    if name == "pfedmul":
+        from fedppl.models import mogp
+
+        rng = np.random.default_rng(0)
+
+        def one(n):
+            x = rng.uniform(0, 5, (n, 1))
+            return [x, x], [np.sin(x[:, 0]), (np.sin(x[:, 0]) > 0).astype(float)]
+
+        return mogp.multitask_clients([one(10), one(12), one(11)], _MOGP), {}
     X = np.linspace(-3, 3, 60)[:, None]
     clients = fedppl.partition.homogeneous(X, np.sin(X[:, 0]), num_clients=3, seed=0)
     return clients, {"validation": (X[::7], np.sin(X[::7, 0]))}
+
+
+def _mogp_spec():
+    from fedppl.models import mogp
+
+    return mogp.MOGPSpec(("regression", "classification"), num_latent=1)
+
+
+_MOGP = _mogp_spec()
 
 
 def _method(name: str):
@@ -45,6 +64,13 @@ def _method(name: str):
                           schedule=name.split("-")[1])
     if name == "fsgp":
         return fedppl.FSGP(num_inducing=5, local_steps=5, init_inducing="random-normal")
+    if name == "sgp-dpo":
+        return fedppl.FederatedSGP("dpo", num_inducing=5, local_steps=5, pseudo_init="prior")
+    if name == "pfedmul":
+        from fedppl.models import mogp
+
+        return fedppl.PFedMul(_MOGP, mogp.init_hyper(_MOGP, 1, W=np.ones((2, 1))),
+                              num_inducing=5)
     from fedppl.models.random_features import URKSpec
 
     spec = URKSpec(input_dim=1, feature_widths=(), shift_widths=(), num_samples=10)

@@ -1,8 +1,8 @@
 """Every Flower task on the Deployment Engine (a SuperLink and three SuperNodes on 127.0.0.1)
-equals the embedded runtime: PVI (both schedules), FSGP and FedBNR.
+equals the embedded runtime: PVI (both schedules), FSGP, FedBNR, the DPO sparse GP and pFed-Mul.
 
-Flower 1.41 starts a fresh ClientApp process for every message (about 10 s each on 2 cores),
-so these four runs take about eight minutes: they run when ``FEDPPL_FLOWER_FULL=1`` is set, and
+Flower 1.41 starts a fresh ClientApp process for every message (several seconds each on 2
+cores), so these six runs take about ten minutes: they run when ``FEDPPL_FLOWER_FULL=1`` is set, and
 ``make test`` runs the Deployment Engine's fault test (``test_flower_deployment.py``) and every
 task on the Simulation Engine, whose ServerApp and ClientApp are the same code.
 """
@@ -25,7 +25,7 @@ from .test_flower_deployment import APP
 
 pytestmark = pytest.mark.skipif(os.environ.get("FEDPPL_FLOWER_FULL") != "1",
                                 reason="set FEDPPL_FLOWER_FULL=1 to run every task on the "
-                                       "Deployment Engine (about eight minutes)")
+                                       "Deployment Engine (about ten minutes)")
 
 
 @pytest.fixture(scope="module")
