@@ -219,7 +219,9 @@ class LocalDeployment:
         log = out.stdout + out.stderr
         status = self._status(log)
         if out.returncode != 0 or status != "finished:completed":
-            raise DeploymentError(f"the run ended as {status or out.returncode}:\n{log[-4000:]}")
+            # the ServerApp's own traceback is in the SuperLink's log (its process's output)
+            raise DeploymentError(f"the run ended as {status or out.returncode}:\n{log[-2000:]}"
+                                  f"\n-- SuperLink log --\n{self.log('superlink')[-4000:]}")
         return log
 
     def _status(self, log: str) -> str:
