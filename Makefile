@@ -14,7 +14,7 @@ TEST_JOBS ?= 2
 $(STAMP): pyproject.toml constraints.txt
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install --quiet --upgrade pip
-	$(BIN)/python -m pip install --quiet -c constraints.txt -e ".[dev,arviz,flower]"
+	$(BIN)/python -m pip install --quiet -c constraints.txt -e ".[dev,arviz,flower,pyro]"
 	touch $(STAMP)
 
 demo: $(STAMP)

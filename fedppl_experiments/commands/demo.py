@@ -26,6 +26,10 @@ def register(sub: argparse._SubParsersAction) -> None:
                            "Engine (flower) or a local SuperLink and SuperNodes "
                            "(flower-deployment); needs the flower extra")
     demo.add_argument("--json", default="", help="also write the table's figures to this file")
+    demo.add_argument("--ppl", default="numpyro", choices=("numpyro", "pyro"),
+                      help="the probabilistic programming language the models are written in: "
+                           "the NumPyro core (numpyro) or the Pyro port (pyro; needs the pyro "
+                           "extra, embedded runtime only)")
 
 
 def run(args: argparse.Namespace) -> None:
@@ -33,4 +37,4 @@ def run(args: argparse.Namespace) -> None:
 
     run_demo(args.clients, args.rounds, args.local_steps, args.out or None, args.seed,
              progress_bar=not args.no_progress, runtime=args.runtime,
-             json_path=args.json or None)
+             json_path=args.json or None, ppl=args.ppl)
