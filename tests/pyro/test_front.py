@@ -98,6 +98,23 @@ def test_the_acceptance_rule_is_the_numpyro_cores(full):
     assert bool(tg.is_pd(ts.q)) and bool(tg.is_finite(ts.q))
 
 
+def test_precisions_stay_exactly_symmetric():
+    """An ulp of asymmetry in a sum over clients would grow by ``K rho - 1`` a round (the
+    benchmark's K = 100 full-rank run diverged from it): the server and clients symmetrise."""
+    rng = np.random.default_rng(0)
+    a = rng.normal(size=(5, 3, 3))
+    prec = torch.as_tensor(a @ a.transpose(0, 2, 1) * 1e-3)
+    prec[:, 0, 1] += 1e-16  # an ulp's asymmetry
+    deltas = tg.FullGaussian(torch.zeros(5, 3), prec)
+    server = tpvi.init(tg.FullGaussian(torch.zeros(3), torch.eye(3, dtype=F64)), deltas)
+    n = torch.zeros(5)
+    msg = tpvi.ClientMessage(deltas, n, n > 0, n == 0, n)
+    new, steps = tpvi.server_update(server, msg)
+    states = tpvi.acknowledge(tpvi.ClientState(deltas), msg, steps)
+    for P in (server.q.prec, new.q.prec, states.factor.prec):
+        assert torch.equal(P, P.transpose(-1, -2))
+
+
 class _Corrupt:
     """A solver whose answer for one client is NaN (a broken client)."""
 
@@ -184,6 +201,19 @@ def test_resume_and_global_vi_on_arrays():
     for a, b in zip(again.mean_and_cov(), pooled.mean_and_cov(), strict=True):
         np.testing.assert_allclose(a.numpy(), b.numpy(), rtol=1e-9)
     assert again.history["kl_change"][0] < 1e-20  # already at the fixed point
+
+
+def test_float32_runs_in_float32_and_agrees_with_float64():
+    pair = models.logistic(n=80, k=2)
+    out = {}
+    for dtype in (torch.float32, torch.float64):
+        res = fp.PVI(pair.pyro, fp.PVIGuide(pair.pyro, family="fullrank", dtype=dtype),
+                     "synchronous", num_particles=16, elbo_samples=0).run(
+            key(), pair.clients, 3, progress_bar=False)
+        assert res.q.nat1.dtype == dtype and res.factors.prec.dtype == dtype
+        out[dtype] = res.mean_and_cov()
+    np.testing.assert_allclose(out[torch.float32][0].double().numpy(),
+                               out[torch.float64][0].numpy(), atol=1e-4)
 
 
 def test_importing_without_the_extra_names_it(monkeypatch):

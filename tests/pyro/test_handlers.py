@@ -197,7 +197,22 @@ HANDLERS = {
                                              omega=torch.as_tensor(OMEGA))),
 }
 
-# PPL handlers around (or inside) them; condition observes y (the data) instead of obs=
+def _guide_trace(ppl):
+    """A guide's trace with ``w`` at ``W`` (what an ELBO replays the model against)."""
+    if ppl == "numpyro":
+        def guide_np():
+            numpyro.sample("w", nd.Normal(0.0, 1.0).expand([2]).to_event(1))
+
+        return nh.trace(nh.substitute(guide_np, W)).get_trace()
+
+    def guide_py():
+        pyro.sample("w", pd.Normal(0.0, 1.0).expand([2]).to_event(1))
+
+    return poutine.trace(th.substitute(guide_py, torch_values(W))).get_trace()
+
+
+# PPL handlers around (or inside) them (replay: against a trace at W, as an ELBO replays the
+# model against its guide's trace); condition observes y (the data) instead of obs=
 OTHER = {
     "none": Wrap(lambda m: m, lambda m: m),
     "scale": Wrap(lambda m: nh.scale(m, 0.5), lambda m: poutine.scale(m, 0.5)),
@@ -205,6 +220,8 @@ OTHER = {
                  lambda m: poutine.mask(m, torch.as_tensor([True, False] * 3))),
     "block": Wrap(lambda m: nh.block(nh.substitute(m, W), hide=["w"]),
                   lambda m: poutine.block(th.substitute(m, torch_values(W)), hide=["w"])),
+    "replay": Wrap(lambda m: nh.replay(m, _guide_trace("numpyro")),
+                   lambda m: poutine.replay(m, trace=_guide_trace("pyro"))),
 }
 
 

@@ -206,7 +206,7 @@ def init(prior: g.Gaussian, factors: g.Gaussian, prior_factor: g.Gaussian | None
     total = type(factors)(*(x.sum(0) for x in factors))
     q = g.product(prior, total) if prior_factor is None else g.product(prior, prior_factor,
                                                                          total)
-    return ServerState(q, 0, prior_factor)
+    return ServerState(g.symmetric(q), 0, prior_factor)
 
 
 def client_update(q: g.Gaussian, state: ClientState, ctx: Any, solver: Any,
@@ -216,7 +216,7 @@ def client_update(q: g.Gaussian, state: ClientState, ctx: Any, solver: Any,
     the messages and the clients' proposed new states."""
     K = state.factor.nat1.shape[0]
     qk = stacked(q, K)
-    q_cav, repaired = g.repair(g.quotient(qk, state.factor))
+    q_cav, repaired = g.repair(g.symmetric(g.quotient(qk, state.factor)))
     if state.local is None:
         out = solver(q_cav, qk, ctx, generator=generator)
     else:
@@ -237,7 +237,7 @@ def prior_update(state: ServerState, solver: PriorSolver, damping: float | Tenso
 
 def _propose(state: ClientState, q_cav: g.Gaussian, repaired: Tensor, out: LocalResult,
              damping: float | Tensor) -> tuple[ClientMessage, ClientState]:
-    new_factor = g.damp(state.factor, g.quotient(out.q, q_cav), damping)
+    new_factor = g.symmetric(g.damp(state.factor, g.quotient(out.q, q_cav), damping))
     msg = ClientMessage(g.quotient(new_factor, state.factor), out.free_energy, repaired,
                         out.converged, out.iterations)
     return msg, ClientState(new_factor, out.local)
@@ -279,7 +279,7 @@ def server_update(state: ServerState, messages: ClientMessage, received: Tensor 
     delta = messages.delta
     clean = type(delta)(*(torch.where(ok.reshape(ok.shape + (1,) * (d.ndim - 1)), d, 0.0)
                           for d in delta))
-    total = type(clean)(*(x.sum(0) for x in clean))
+    total = g.symmetric(type(clean)(*(x.sum(0) for x in clean)))
     sizes = torch.tensor(STEP_SIZES, dtype=total.nat1.dtype)
     candidates = g.product(stacked(state.q, len(sizes)), g.scale(stacked(total, len(sizes)),
                                                                   sizes))
@@ -302,7 +302,7 @@ def server_update(state: ServerState, messages: ClientMessage, received: Tensor 
         step = sizes[int(torch.nonzero(accept)[0, 0])]
     else:
         step = torch.zeros((), dtype=sizes.dtype)
-    q = g.product(state.q, g.scale(total, step))
+    q = g.symmetric(g.product(state.q, g.scale(total, step)))
     replies = torch.where(ok, step.expand_as(verdict), torch.clamp(verdict, max=0.0))
     return state._replace(q=q, round=state.round + 1), replies
 
@@ -316,8 +316,8 @@ def acknowledge(states: ClientState, messages: ClientMessage, steps: Tensor,
         s = steps.reshape(steps.shape + (1,) * (d.ndim - 1))
         return t + torch.where(s > 0, s * d, 0.0)
 
-    factor = type(states.factor)(*(apply(t, d) for t, d in
-                                   zip(states.factor, messages.delta, strict=True)))
+    factor = g.symmetric(type(states.factor)(*(apply(t, d) for t, d in
+                                               zip(states.factor, messages.delta, strict=True))))
     local = states.local
     if local is not None and proposed is not None and proposed.local is not None:
         local = g.where(steps > 0, proposed.local, local)

@@ -35,7 +35,7 @@ from torch import Tensor
 __all__ = [
     "DiagGaussian", "FullGaussian", "Gaussian", "product", "quotient", "damp", "scale",
     "zeros_like", "to_moments", "mean_and_scale_tril", "kl", "kl_from_moments", "log_prob",
-    "sample", "is_pd", "repair", "is_finite", "to_distribution", "project_diag", "to_full",
+    "sample", "is_pd", "repair", "symmetric", "is_finite", "to_distribution", "project_diag", "to_full",
     "num_bytes", "Conditional", "embed", "head", "join", "split", "project_moments",
     "conditional_entropy", "cholesky", "index", "stack", "where",
 ]
@@ -110,6 +110,19 @@ def damp(old: Gaussian, new: Gaussian, rho: Tensor | float) -> Gaussian:
     A tensor ``rho`` with leading axes gives one damped Gaussian per entry."""
     _same_family(old, new)
     return product(scale(old, 1.0 - rho), scale(new, rho))
+
+
+def symmetric(g: Gaussian) -> Gaussian:
+    """``g`` with its precision made exactly symmetric (a diagonal one as it is).
+
+    torch's reductions may add the entries ``(i, j)`` and ``(j, i)`` of a batch of symmetric
+    matrices in different orders, so a sum over clients can come out asymmetric by an ulp. PVI's
+    synchronous update multiplies that asymmetric part by ``1 - K rho`` every round (the local
+    solvers see only the symmetric part, the cavity subtracts the whole), so the server and the
+    clients keep their precisions symmetric with this."""
+    if isinstance(g, DiagGaussian):
+        return g
+    return FullGaussian(g.nat1, _sym(g.prec))
 
 
 def zeros_like(g: Gaussian) -> Gaussian:
