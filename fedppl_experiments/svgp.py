@@ -56,6 +56,7 @@ class Settings(NamedTuple):
     optimizer: str = "adam"
     learning_rate: float = 0.01
     learn_inducing: bool | None = None   # None: learned for svigp only
+    sigma: float = 1.0            # initial diagonal of Sigma (diag, rnvgp and the grid guides)
     probes: int = 5               # RNVGP: d
     tol_first: float = 1e-3       # RNVGP: epsilon_L
     tol: float = 1e-6             # RNVGP: epsilon
@@ -94,9 +95,10 @@ def build(method: str, X: np.ndarray, s: Settings) -> tuple[Any, Any]:
     if method in GRID_METHODS:
         model = svgp.SparseGPRegression(svgp.Grid.over(X, s.m0), batch_size=s.batch_size,
                                         variance=1.0, noise=0.1**0.5, learn=("lengthscale",))
-        guide = {"kron": lambda: kronecker.KroneckerGuide(model),
-                 "tvgp": lambda: kronecker.TuckerGuide(model, rank=s.q0),
-                 "sumkron": lambda: kronecker.SumKroneckerGuide(model, terms=s.terms)}[method]()
+        guide = {"kron": lambda: kronecker.KroneckerGuide(model, sigma=s.sigma),
+                 "tvgp": lambda: kronecker.TuckerGuide(model, rank=s.q0, sigma=s.sigma),
+                 "sumkron": lambda: kronecker.SumKroneckerGuide(model, terms=s.terms,
+                                                                sigma=s.sigma)}[method]()
         return model, guide
     M = min(int(s.num_inducing), X.shape[0])
     Z = X[np.random.default_rng(s.seed).choice(X.shape[0], M, replace=False)]
@@ -106,10 +108,10 @@ def build(method: str, X: np.ndarray, s: Settings) -> tuple[Any, Any]:
     if method == "svigp":
         return model, dense.SVIGPGuide(model)
     if method == "diag":
-        return model, dense.DiagGuide(model)
+        return model, dense.DiagGuide(model, sigma=s.sigma)
     cfg = rnvgp.RandomisedConfig(probes=s.probes, tol_first=s.tol_first, tol=s.tol,
                                  roulette=s.roulette)
-    return model, rnvgp.RNVGPGuide(model, cfg)
+    return model, rnvgp.RNVGPGuide(model, cfg, sigma=s.sigma)
 
 
 def fit(method: str, X: np.ndarray, y: np.ndarray, s: Settings, progress_bar: bool = False

@@ -81,3 +81,16 @@ def test_bad_config_is_named():
                        (dict(roulette=-1.0), "roulette"), (dict(probe="uniform"), "probe")]:
         with pytest.raises(ValueError, match=match):
             RandomisedConfig(**bad).check()
+
+
+def test_a_step_factorises_nothing():
+    """The compiled gradient has no Cholesky and no triangular solve: only products and CG."""
+    X, y, model, params = problem()
+    elbo = svgp.InducingELBO().elbo
+    grad = jax.jit(jax.grad(lambda p, k: elbo(k, p, model, RNVGPGuide(model), X, y)))
+    hlo = grad.lower(params, jax.random.key(0)).compile().as_text().lower()
+    assert "while" in hlo
+    assert "cholesky" not in hlo and "triangular" not in hlo
+    exact = jax.jit(jax.grad(lambda p: elbo(jax.random.key(0), p, model, DiagGuide(model), X, y)))
+    dparams = {("q_alpha" if k == "q_mu" else k): v for k, v in params.items()}
+    assert "cholesky" in exact.lower(dparams).compile().as_text().lower()

@@ -138,6 +138,7 @@ def test_sum_of_kronecker_terms():
     ref = hensman_bound(y, m, S, K, Kfu, kff, s2)
     assert jensen_gap > 0
     assert abs(F - (ref - jensen_gap)) < 1e-8 * abs(ref)          # exact but for Jensen's gap
+    assert F < titsias_bound(y, K, Kfu, kff, s2) < exact_lml(y, svgp_kff(model, params, X), s2)
     # one term: the Kronecker bound
     one = {k: (v[:1] if k.startswith("q_") else v) for k, v in params.items()}
     kron = {k: v for k, v in params.items() if not k.startswith("q_")}
