@@ -35,8 +35,8 @@ from torch import Tensor
 __all__ = [
     "DiagGaussian", "FullGaussian", "Gaussian", "product", "quotient", "damp", "scale",
     "zeros_like", "to_moments", "mean_and_scale_tril", "kl", "kl_from_moments", "log_prob",
-    "sample", "is_pd", "repair", "symmetric", "is_finite", "to_distribution", "project_diag", "to_full",
-    "num_bytes", "Conditional", "embed", "head", "join", "split", "project_moments",
+    "sample", "is_pd", "repair", "symmetric", "is_finite", "to_distribution", "project_diag",
+    "to_full", "num_bytes", "Conditional", "embed", "head", "join", "split", "project_moments",
     "conditional_entropy", "cholesky", "index", "stack", "where",
 ]
 
