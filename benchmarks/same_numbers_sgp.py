@@ -21,6 +21,8 @@ Run::
 
     python benchmarks/same_numbers_sgp.py                 # old code at /tmp/before
     python benchmarks/same_numbers_sgp.py --before PATH   # another old checkout
+    # a checkout that already has the fronts (a later restructuring): the same front both sides
+    python benchmarks/same_numbers_sgp.py --before PATH --before-api front --out OUT.json
 """
 
 from __future__ import annotations
@@ -228,13 +230,15 @@ def report(rows: dict) -> str:
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--before", default="/tmp/before", help="an old checkout (fedppl/sgp.py)")
+    p.add_argument("--before-api", choices=["fit", "front"], default="fit",
+                   help="the old checkout's API: fit_sgp/fit_fsgp, or the same fronts as now")
     p.add_argument("--out", default=str(OUT))
     p.add_argument("--side", choices=["old", "new"], help=argparse.SUPPRESS)
     p.add_argument("--dump", help=argparse.SUPPRESS)
     args = p.parse_args()
     if args.side:
         return side(args.side, args.dump)
-    old = spawn("old", args.before)
+    old = spawn("old" if args.before_api == "fit" else "new", args.before)
     new = spawn("new", str(ROOT))
     rows = compare(old, new)
     text = report(rows)

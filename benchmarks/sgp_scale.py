@@ -36,14 +36,18 @@ import fedppl
 
 jax.config.update("jax_enable_x64", True)
 
-METHODS = ("dpo", "cpo", "fedavg-z", "fixed", "global", "fsgp")
+METHODS = ("dpo", "cpo", "fedavg-z", "fixed", "global", "fsgp", "dpo-shared", "fedavg-z-shared",
+           "fixed-shared")
+SHARED_DRAWS = 16  # the "-shared" rows: the linear rounds (FederatedSGP's shared_draws)
 
 
 def build(method: str, inducing: int, local_steps: int):
     if method == "fsgp":
         return fedppl.FSGP(num_inducing=inducing, local_steps=local_steps)
-    return fedppl.FederatedSGP(method, num_inducing=inducing, local_steps=local_steps,
-                               inner_steps=local_steps, schedule="synchronous")
+    shared = method.endswith("-shared")
+    return fedppl.FederatedSGP(method.removesuffix("-shared"), num_inducing=inducing,
+                               local_steps=local_steps, inner_steps=local_steps,
+                               schedule="synchronous", shared_draws=SHARED_DRAWS * shared)
 
 
 def measure(method: str, K: int, points: int, inducing: int, local_steps: int,

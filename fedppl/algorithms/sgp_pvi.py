@@ -42,8 +42,10 @@ from typing import Any, NamedTuple, cast
 import jax
 import jax.numpy as jnp
 import numpy as np
+import numpyro.distributions as dist
 import optax
 from jax import Array
+from numpyro.distributions.kl import kl_divergence
 from numpyro.infer import TraceMeanField_ELBO
 
 from fedppl.algorithms import fedavg
@@ -54,9 +56,9 @@ from fedppl.guides import sgp_guide as sg
 from fedppl.handlers.tempered import tempered
 from fedppl.models import sparse_gp as sgp
 
-__all__ = ["Spec", "ServerState", "ClientState", "Message", "init", "q_beta", "q_z", "cavity",
-           "local_free_energy", "client_update", "server_update", "make_trio", "free_energy",
-           "sample_q", "sample_u", "predictive_samples", "expand"]
+__all__ = ["Spec", "ServerState", "Shared", "ClientState", "Message", "init", "begin_round",
+           "q_beta", "q_z", "cavity", "local_free_energy", "client_update", "server_update",
+           "make_trio", "free_energy", "sample_q", "sample_u", "predictive_samples", "expand"]
 
 
 class Spec(NamedTuple):
@@ -74,6 +76,7 @@ class Spec(NamedTuple):
     damping: float = 1.0
     input_dim: int = 1
     jitter: float = sgp.JITTER   # relative jitter on K_ZZ
+    shared_draws: int = 0        # S > 0: the round's shared (beta, Z) draws (see begin_round)
 
 
 class ServerState(NamedTuple):
@@ -87,6 +90,17 @@ class ServerState(NamedTuple):
     pseudo_mask: Array           # (K, M_max) booleans
     sizes: Array                 # (K,) data counts
     round: Array
+    shared: Shared | None = None  # the round's shared draws (Spec.shared_draws > 0)
+
+
+class Shared(NamedTuple):
+    """The server's S draws of ``(log beta, Z)`` from q for one round, and the whitened summed
+    statistics ``(A_s, c_s)`` of every client's factor at each (:func:`begin_round`)."""
+
+    log_beta: Array  # (S, P)
+    Z: Array         # (S, M, D)
+    A: Array         # (S, M, M)
+    c: Array         # (S, M)
 
 
 class ClientState(NamedTuple):
@@ -146,11 +160,14 @@ def init(spec: Spec, key: Array, X_stack: np.ndarray, mask: np.ndarray, sizes: n
         pseudo = jax.tree_util.tree_map(lambda *a: np.stack(a), *[p for p, _ in parts])
         pmask = np.stack([m for _, m in parts])
     fixed = np.zeros(P) if log_beta_fixed is None else np.asarray(log_beta_fixed, float)
+    S, M = spec.shared_draws, num_inducing
+    shared = Shared(jnp.zeros((S, P)), jnp.zeros((S, M, D)), jnp.zeros((S, M, M)),
+                    jnp.zeros((S, M))) if S > 0 else None
     return ServerState(g.DiagGaussian(jnp.zeros(P), jnp.ones(P)), t_beta,
                        g.DiagGaussian(jnp.zeros(Z0.shape), jnp.ones(Z0.shape)), t_z,
                        jnp.asarray(Z0), jnp.asarray(fixed),
                        jax.tree_util.tree_map(jnp.asarray, pseudo), jnp.asarray(pmask),
-                       jnp.asarray(sizes), jnp.asarray(0))
+                       jnp.asarray(sizes), jnp.asarray(0), shared)
 
 
 # -- q and cavities ------------------------------------------------------------------------------
@@ -192,17 +209,39 @@ def _loc_scale(prior: g.DiagGaussian, t: g.DiagGaussian, k: Any) -> tuple[Array,
 # -- the local free energy, expressed through NumPyro ----------------------------------------------
 
 
-def _u_term(spec: Spec, state: ServerState, k: Any, own: sg.Pseudo, data: tuple, log_beta: Array,
-            Z: Array) -> Array:
-    """E_q[log p(y_k | f)] - KL(q(u|Z,beta) || q_cavity(u|Z,beta)) for one (beta, Z)."""
+def _own_stats(spec: Spec, state: ServerState, k: Any, pseudo: sg.Pseudo, Z: Array,
+               hyper: sgp.SEParams, L: Array) -> tuple[Array, Array]:
+    """Whitened statistics of client ``k``'s factor with parameters ``pseudo`` at ``(beta, Z)``."""
+    return sg.summed_stats(spec.factor, spec.covariance, expand(pseudo),
+                           state.pseudo_mask[k][None], jnp.ones(1), Z, hyper, L)
+
+
+def _cavity_stats(spec: Spec, state: ServerState, k: Any, Z: Array, hyper: sgp.SEParams,
+                  L: Array) -> tuple[Array, Array]:
+    """Whitened statistics of every client's factor but ``k``'s at one ``(beta, Z)``.
+
+    CPO factors are Gaussians over ``u`` whatever ``(beta, Z)`` is, so the sum over all clients
+    does not depend on client ``k`` (under ``vmap`` it is computed once) and k's own is taken off:
+    linear in K. DPO factors must be summed at each client's own draw: O(K) per client."""
+    if spec.factor == "cpo":
+        A, c = sg.summed_stats("cpo", spec.covariance, state.pseudo, state.pseudo_mask,
+                               jnp.ones(state.sizes.shape[0]), Z, hyper, L)
+        A_k, c_k = _own_stats(spec, state, k, _take(state.pseudo, k), Z, hyper, L)
+        return A - A_k, c - c_k
+    w = jnp.ones(state.sizes.shape[0]).at[k].set(0.0)  # every client's factor but k's own
+    return sg.summed_stats(spec.factor, spec.covariance, state.pseudo, state.pseudo_mask, w, Z,
+                           hyper, L)
+
+
+def _u_given(spec: Spec, state: ServerState, k: Any, own: sg.Pseudo, data: tuple,
+             log_beta: Array, Z: Array, cavity_stats: Callable) -> Array:
+    """E_q[log p(y_k | f)] - KL(q(u|Z,beta) || q_cavity(u|Z,beta)) for one (beta, Z), with the
+    cavity's statistics from ``cavity_stats(hyper, L)``."""
     X, y, mask = data
     hyper = sgp.split_hyper(log_beta, spec.input_dim)
     L = jnp.linalg.cholesky(sgp.kzz(Z, hyper, spec.jitter))
-    w = jnp.ones(state.sizes.shape[0]).at[k].set(0.0)  # every client's factor but k's own
-    A_c, c_c = sg.summed_stats(spec.factor, spec.covariance, state.pseudo, state.pseudo_mask,
-                               w, Z, hyper, L)
-    A_k, c_k = sg.summed_stats(spec.factor, spec.covariance, expand(own),
-                               state.pseudo_mask[k][None], jnp.ones(1), Z, hyper, L)
+    A_c, c_c = cavity_stats(hyper, L)
+    A_k, c_k = _own_stats(spec, state, k, own, Z, hyper, L)
     post = sgp.posterior(L, A_c + A_k, c_c + c_k)
     cav = sgp.posterior(L, A_c, c_c)
     mean, var = sgp.predict_f(post, hyper.kernel(X, Z), jnp.full(X.shape[0], hyper.variance))
@@ -210,12 +249,22 @@ def _u_term(spec: Spec, state: ServerState, k: Any, own: sg.Pseudo, data: tuple,
     return ell - sgp.kl_whitened(post, cav)
 
 
+def _u_term(spec: Spec, state: ServerState, k: Any, own: sg.Pseudo, data: tuple, log_beta: Array,
+            Z: Array) -> Array:
+    """E_q[log p(y_k | f)] - KL(q(u|Z,beta) || q_cavity(u|Z,beta)) at the client's own draw."""
+    return _u_given(spec, state, k, own, data, log_beta, Z,
+                    lambda hyper, L: _cavity_stats(spec, state, k, Z, hyper, L))
+
+
 def local_free_energy(spec: Spec, state: ServerState, k: Any, data: tuple, params: tuple,
                       key: Array) -> Array:
-    """Client k's alpha-tempered local free energy (one MC estimate over (beta, Z))."""
+    """Client k's alpha-tempered local free energy (one MC estimate over (beta, Z); with
+    ``spec.shared_draws``, the estimate at the round's shared draws, :func:`_shared_estimate`)."""
     lq, own, z_point = params
     if spec.factor == "opt":
         own = jax.lax.stop_gradient(own)
+    if spec.shared_draws:
+        return _shared_estimate(spec, state, k, data, lq, own, z_point, key)
     cav_b = _loc_scale(state.beta_prior, state.t_beta, k) if spec.learn_hyper else None
     cav_z = _loc_scale(state.z_prior, state.t_z, k) if spec.z_mode == "hvm" else None
     model = partial(sgp.local_model, partial(_u_term, spec, state, k, own, data), cav_b, cav_z,
@@ -225,6 +274,59 @@ def local_free_energy(spec: Spec, state: ServerState, k: Any, data: tuple, param
     elbo = TraceMeanField_ELBO(num_particles=spec.num_samples if stochastic else 1)
     return -elbo.loss(key, {}, tempered(model, spec.alpha, ["Z"]),
                       tempered(guide, spec.alpha, ["Z"]))
+
+
+def begin_round(spec: Spec, state: ServerState, key: Array) -> ServerState:
+    """The server's work before a round with shared draws: S draws of ``(log beta, Z)`` from the
+    current q and, at each, the whitened statistics of all K clients' factors (O(S K M_k M^2)
+    once, instead of each client summing the others' at its own draws: O(K^2) a round)."""
+    lb, Z = sample_q(spec, state, key, spec.shared_draws)
+    ones = jnp.ones(state.sizes.shape[0])
+
+    def stats(draw: tuple[Array, Array]) -> tuple[Array, Array]:
+        hyper = sgp.split_hyper(draw[0], spec.input_dim)
+        L = jnp.linalg.cholesky(sgp.kzz(draw[1], hyper, spec.jitter))
+        return sg.summed_stats(spec.factor, spec.covariance, state.pseudo, state.pseudo_mask,
+                               ones, draw[1], hyper, L)
+
+    A, c = jax.lax.map(stats, (lb, Z))  # one draw at a time: memory of one
+    return state._replace(shared=Shared(lb, Z, A, c))
+
+
+def _shared_estimate(spec: Spec, state: ServerState, k: Any, data: tuple, lq: sg.LocalQ,
+                     own: sg.Pseudo, z_point: Array, key: Array) -> Array:
+    """One estimate of the local free energy at one of the round's shared draws ``x_s ~ q``
+    (:func:`begin_round`), picked by ``key``: the client's own draw is ``x = mu_k + sigma_k
+    eps_s``, with ``eps_s`` the shared draw's standard noise (so ``x = x_s`` while the client's
+    q_k is still q, at the start of its local step; FedAvg-Z's Z is its own point), and its
+    cavity's statistics are the server's sum at ``x_s`` less the client's own factor as it was
+    (``A_s - A_k(x_s)``), held fixed in whitened coordinates (no gradient through the other
+    clients' factors). The KLs over beta and Z are analytic."""
+    assert state.shared is not None
+    sh = state.shared
+    start = sg.local_q_from(q_beta(state), q_z(state))
+    s = jax.random.randint(key, (), 0, sh.A.shape[0])
+    lb, Z = sh.log_beta[s], sh.Z[s]
+    hyper_s = sgp.split_hyper(lb, spec.input_dim)
+    L_s = jnp.linalg.cholesky(sgp.kzz(Z, hyper_s, spec.jitter))
+    A_k, c_k = _own_stats(spec, state, k, _take(state.pseudo, k), Z, hyper_s, L_s)
+    frozen = jax.lax.stop_gradient((sh.A[s] - A_k, sh.c[s] - c_k))
+    if spec.learn_hyper:
+        lb = lq.beta_loc + jnp.exp(lq.beta_logsd - start.beta_logsd) * (lb - start.beta_loc)
+    if spec.z_mode == "hvm":
+        Z = lq.z_loc + jnp.exp(lq.z_logsd - start.z_logsd) * (Z - start.z_loc)
+    elif spec.z_mode == "train":
+        Z = z_point
+    value = _u_given(spec, state, k, own, data, lb, Z, lambda hyper, L: frozen)
+    if spec.learn_hyper:
+        cav = _loc_scale(state.beta_prior, state.t_beta, k)
+        value -= jnp.sum(kl_divergence(dist.Normal(lq.beta_loc, jnp.exp(lq.beta_logsd)),
+                                       dist.Normal(*cav)))
+    if spec.z_mode == "hvm":
+        cav = _loc_scale(state.z_prior, state.t_z, k)
+        value -= spec.alpha * jnp.sum(kl_divergence(dist.Normal(lq.z_loc, jnp.exp(lq.z_logsd)),
+                                                    dist.Normal(*cav)))
+    return value
 
 
 def client_update(spec: Spec, optimizer: optax.GradientTransformation, state: ServerState,
@@ -341,7 +443,8 @@ def make_trio(spec: Spec, optimizer: optax.GradientTransformation) -> Trio:
                evaluate: Any) -> tuple[ServerState, Array]:
         return server_update(spec, state, msgs, index, received)
 
-    return Trio(client, server)
+    return Trio(client, server,
+                begin_round=partial(begin_round, spec) if spec.shared_draws else None)
 
 
 # -- sampling q, the global free energy and predictions --------------------------------------------

@@ -59,6 +59,12 @@ class SGPConfig(NamedTuple):
     ``pseudo_init``: V_k from the client's inputs (``"data"``) or N(0, I) (``"prior"``).
     ``fixed_hyper``: ``{"lengthscale", "variance", "noise"}`` held fixed instead of q(beta).
     ``fixed_inducing``: a point Z held fixed (its rows give M).
+    ``shared_draws``: 0 (the paper's method) or S > 0: every client's local free energy is
+    estimated at S draws of ``(beta, Z)`` that the server makes from q once a round, with the
+    summed statistics of all clients' factors at each (importance-weighted, see
+    :func:`fedppl.algorithms.sgp_pvi.begin_round`): a DPO, fixed-Z or FedAvg-Z round linear in
+    K instead of quadratic (each client otherwise sums every other client's pseudo-observations
+    at its own draws).
     """
 
     num_inducing: int = 100
@@ -77,6 +83,7 @@ class SGPConfig(NamedTuple):
     fixed_hyper: dict | None = None
     fixed_inducing: Array | None = None
     pseudo_init: str = "data"
+    shared_draws: int = 0
 
 
 @dataclass(kw_only=True)
@@ -210,6 +217,10 @@ class FederatedSGP(FederatedMethod):
             raise TypeError(f"unknown settings {sorted(unknown)}; FederatedSGP takes "
                             f"{list(SGPConfig._fields)}")
         self.config = _checked((config or SGPConfig())._replace(**settings))
+        if self.config.shared_draws and method not in ("dpo", "fixed", "fedavg-z"):
+            raise ValueError(f"shared_draws applies to 'dpo', 'fixed' and 'fedavg-z' (the "
+                             f"methods whose clients sum each other's DPO factors at their own "
+                             f"draws), not {method!r}")
         self.optimizer = self.config.optimizer
         sync = self.config.schedule == "synchronous" and method != "global"
         self.schedule = "synchronous" if sync else "sequential"
@@ -239,7 +250,8 @@ class FederatedSGP(FederatedMethod):
         return sgp_pvi.Spec(factor.get(method, "dpo"), cfg.covariance, cfg.likelihood, z_mode,
                             cfg.fixed_hyper is None, float(cfg.alpha), int(cfg.local_steps),
                             int(cfg.inner_steps) if method == "fedavg-z" else 0,
-                            int(cfg.num_samples), float(cfg.damping), D)
+                            int(cfg.num_samples), float(cfg.damping), D,
+                            shared_draws=int(cfg.shared_draws))
 
     def _setup(self, rng_key: Array, clients: Clients, **kwargs: Any):
         X_stack, y_stack = (np.asarray(a) for a in clients.stacked)
@@ -314,6 +326,7 @@ def _checked(cfg: SGPConfig) -> SGPConfig:
     for name in ("num_inducing", "max_pseudo", "local_steps", "num_samples"):
         check.positive_int(getattr(cfg, name), name)
     check.positive_int(cfg.inner_steps, "inner_steps", minimum=0)
+    check.positive_int(cfg.shared_draws, "shared_draws", minimum=0)
     check.fraction(cfg.pseudo_fraction, "pseudo_fraction")
     check.fraction(cfg.damping, "damping")
     check.positive(cfg.alpha, "alpha", allow_zero=True)
