@@ -1,11 +1,14 @@
 """fedppl methods on Flower's Simulation Engine (Ray): the same answer as the embedded runtime,
 and clear errors for a deployment that cannot work.
 
-Each simulation starts Ray (about 10 s on 2 cores), so each method runs once here.
+Each simulation starts Ray (about 10 s on 2 cores), so each method runs once here. The issue's
+four (PVI's two schedules, FSGP, FedBNR) always run; the DPO sparse GP and pFed-Mul (about 100 s
+more each on 2 cores) run with the deployment suite when ``FEDPPL_FLOWER_FULL=1`` is set.
 """
 
 from __future__ import annotations
 
+import os
 from functools import partial
 
 import jax
@@ -23,7 +26,14 @@ from . import flower_tasks
 jax.config.update("jax_enable_x64", True)
 
 
-@pytest.mark.parametrize("name", flower_tasks.TASKS)
+FULL = os.environ.get("FEDPPL_FLOWER_FULL") == "1"
+ALWAYS = ("pvi-synchronous", "pvi-sequential", "fsgp", "fedbnr")
+
+
+@pytest.mark.parametrize("name", [
+    n if n in ALWAYS or FULL else pytest.param(n, marks=pytest.mark.skip(
+        reason="set FEDPPL_FLOWER_FULL=1 to run this method's simulation too"))
+    for n in flower_tasks.TASKS])
 def test_simulation_equals_embedded(name):
     """Same seeds, same clients: the server state after the rounds equals the embedded
     runtime's to float64 round-off (each client steps alone instead of under ``vmap``)."""
