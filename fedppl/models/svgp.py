@@ -19,10 +19,12 @@ bounds of Eqs. 2.12, 2.15, 2.17 and 2.19 are that ELBO for the structured guides
 is never drawn. Its KL divergence is closed-form (:func:`inducing_kl`) and the expected
 log-likelihood of every :class:`InducingLikelihood` site under ``q(u)`` is closed-form
 (:func:`expected_log_likelihood`), so the objective is the exact bound (for the minibatch)
-rather than a Monte Carlo estimate of it, and a Kronecker-structured ``q(u)`` over ``m0^p``
-grid points never forms a vector of that length. Under numpyro's own ``Trace_ELBO`` the same
-model and guide give a Monte Carlo estimate of the same bound (tested), while ``M`` fits in
-memory. Each guide registers its closed forms with the three generic functions here.
+rather than a Monte Carlo estimate of it, and a step with a Kronecker-structured ``q(u)`` over
+``m0^p`` grid points never forms a vector of that length (``SVI.init`` draws ``u`` once, as
+numpyro traces the guide to find its parameters, so ``M`` values must fit in memory once).
+Under numpyro's own ``Trace_ELBO`` the same model and guide give a Monte Carlo estimate of the
+same bound (tested). Each guide registers its closed forms with the three generic functions
+here.
 
 Example::
 
