@@ -24,7 +24,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-__all__ = ["positive_int", "positive", "fraction", "one_of", "optimizer", "rng_key",
+__all__ = ["pvi_settings", "positive_int", "positive", "fraction", "one_of", "optimizer", "rng_key",
            "labels_in", "inputs_2d"]
 
 
@@ -106,3 +106,31 @@ def inputs_2d(X: Any, who: str, dim: int | None = None, name: str = "X") -> None
         raise ValueError(f"{who}: {name} must have shape (N, D), got {shape}")
     if dim is not None and shape[1] != dim:
         raise ValueError(f"{who}: {name} has {shape[1]} features where {dim} are expected")
+
+
+def pvi_settings(damping: float, conjugate: Any, solver: str, solvers: Sequence[str],
+                 local_steps: int | None, num_particles: int | None, local_tol: float | None,
+                 shrink_warning: float, max_divergence: float) -> None:
+    """Refuse PVI settings that cannot work, with one message for each (the NumPyro core's
+    :class:`fedppl.PVI` and the Pyro port's :class:`fedppl.pyro.PVI` share them)."""
+    if not 0.0 < damping <= 1.0:
+        raise ValueError(f"damping must be in (0, 1], got {damping}")
+    if conjugate not in ("auto", True, False, "polya-gamma"):
+        raise ValueError("conjugate must be 'auto', True, False or 'polya-gamma', got "
+                         f"{conjugate!r}")
+    if solver not in solvers:
+        raise ValueError(f"solver must be one of {tuple(solvers)}, got {solver!r}")
+    if local_steps is not None and local_steps < 1:
+        raise ValueError(f"local_steps (the local step's cap) must be >= 1, got {local_steps}")
+    if num_particles is not None and num_particles < 1:
+        raise ValueError(f"num_particles must be positive, got {num_particles}")
+    if solver == "natural-gradient" and num_particles is not None and num_particles % 2:
+        raise ValueError("the natural-gradient solver uses antithetic pairs of draws: "
+                         f"num_particles must be even, got {num_particles}")
+    if local_tol is not None and not local_tol > 0:
+        raise ValueError(f"local_tol must be positive, got {local_tol}")
+    if not shrink_warning > 1:
+        raise ValueError(f"shrink_warning must be a factor > 1, got {shrink_warning}")
+    if not max_divergence > 0:  # also refuses NaN
+        raise ValueError(f"max_divergence must be positive (nats per dimension), got "
+                         f"{max_divergence}")

@@ -217,27 +217,8 @@ class PVI:
                  conjugate: bool | str = "auto", elbo_samples: int = 64,
                  clients_per_round: int | None = None, shrink_warning: float = 2.0,
                  line_search: bool = True, max_divergence: float = pvi.MAX_DIVERGENCE):
-        if not 0.0 < damping <= 1.0:
-            raise ValueError(f"damping must be in (0, 1], got {damping}")
-        if conjugate not in ("auto", True, False, "polya-gamma"):
-            raise ValueError("conjugate must be 'auto', True, False or 'polya-gamma', got "
-                             f"{conjugate!r}")
-        if solver not in SOLVERS:
-            raise ValueError(f"solver must be one of {SOLVERS}, got {solver!r}")
-        if local_steps is not None and local_steps < 1:
-            raise ValueError(f"local_steps (the local step's cap) must be >= 1, got {local_steps}")
-        if num_particles is not None and num_particles < 1:
-            raise ValueError(f"num_particles must be positive, got {num_particles}")
-        if solver == "natural-gradient" and num_particles is not None and num_particles % 2:
-            raise ValueError("the natural-gradient solver uses antithetic pairs of draws: "
-                             f"num_particles must be even, got {num_particles}")
-        if local_tol is not None and not local_tol > 0:
-            raise ValueError(f"local_tol must be positive, got {local_tol}")
-        if not shrink_warning > 1:
-            raise ValueError(f"shrink_warning must be a factor > 1, got {shrink_warning}")
-        if not max_divergence > 0:
-            raise ValueError(f"max_divergence must be positive (nats per dimension), got "
-                             f"{max_divergence}")
+        validation.pvi_settings(damping, conjugate, solver, SOLVERS, local_steps, num_particles,
+                                local_tol, shrink_warning, max_divergence)
         if optimizer is not None and solver != "optim" and conjugate != "polya-gamma":
             warnings.warn("optimizer is used only by solver='optim'; the default "
                           "natural-gradient local step needs no optimiser and ignores it",
