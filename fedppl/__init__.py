@@ -17,6 +17,7 @@ Example::
 """
 
 from fedppl import datasets, families, handlers, metrics, partition
+from fedppl.algorithms.dp_pvi import DPLocalAveraging, DPOptimisation
 from fedppl.clients import Clients
 from fedppl.guides import PVIGuide
 from fedppl.infer import (
@@ -41,5 +42,6 @@ __version__ = "0.1.0"
 
 __all__ = ["PVI", "GlobalVI", "PVIResult", "PVIGuide", "FederatedSGP", "SGPConfig",
            "SGPResult", "FSGP", "FSGPConfig", "FSGPResult", "FedBNR", "FedBNRResult", "PFedMul",
-           "PFedMulResult", "CoTraining", "CoTrainingResult", "Clients", "partition", "handlers",
+           "PFedMulResult", "CoTraining", "CoTrainingResult", "DPOptimisation",
+           "DPLocalAveraging", "Clients", "partition", "handlers",
            "families", "metrics", "datasets", "__version__"]

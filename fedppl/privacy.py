@@ -379,20 +379,10 @@ class PrivacyAccountant:
 
     def epsilon(self, target_delta: float) -> float:
         """Composed epsilon of all releases so far at ``target_delta`` (0 with none)."""
-        import dp_accounting
-        from dp_accounting import pld, rdp
+        from fedppl import accounting
 
-        target_delta = _check_delta(target_delta)
-        event = self.dp_event()
-        if isinstance(event, dp_accounting.NoOpDpEvent):
-            return 0.0
-        neighbours = dp_accounting.NeighboringRelation.ADD_OR_REMOVE_ONE
-        if self.method == "pld":
-            acc = pld.PLDAccountant(neighbours, self.value_discretization_interval)
-        else:
-            acc = rdp.RdpAccountant(neighboring_relation=neighbours)
-        acc.compose(event)
-        return float(acc.get_epsilon(target_delta))
+        return accounting.epsilon(self.dp_event(), _check_delta(target_delta), self.method,
+                                  value_discretization_interval=self.value_discretization_interval)
 
     def __repr__(self) -> str:
         return (f"PrivacyAccountant(count={self.count}, reuse_sample_path="

@@ -52,3 +52,19 @@ def test_shrink_must_leave_records():
     method, clients, _, _ = METHODS["PVI"]()
     with pytest.raises(ValueError, match="shrink"):
         audit_messages(method, jax.random.key(0), clients, shrink=1.0)
+
+
+@pytest.mark.parametrize("privacy", [
+    fedppl.DPOptimisation(clip=1.0, noise_multiplier=1.0, sampling_rate=0.5),
+    fedppl.DPLocalAveraging(clip=1.0, noise_multiplier=1.0, shards=3)],
+    ids=["dp-optimisation", "local-averaging"])
+def test_private_pvi_sends_its_noised_factor_and_nothing_that_depends_on_the_data(privacy):
+    _, clients, _, _ = METHODS["PVI"]()
+    from fedppl.models import logistic_regression as model
+    method = fedppl.PVI(model, fedppl.PVIGuide(model), "synchronous", privacy=privacy,
+                        local_steps=5, num_particles=2)
+    report = audit_messages(method, jax.random.key(0), clients, 1)
+    assert report.fields and report.clean, report.findings
+    msgs = method.last_messages  # the diagnostics a non-private client sends are constants here
+    assert np.all(np.isnan(np.asarray(msgs.free_energy)))
+    assert np.all(np.asarray(msgs.converged)) and np.all(np.asarray(msgs.iterations) == 5)

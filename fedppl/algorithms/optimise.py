@@ -44,7 +44,9 @@ class Minimised(NamedTuple):
 def minimise(loss: Callable[[Any, Any], Array], params: Any,
              optimizer: optax.GradientTransformation, steps: int | None = None,
              rng_key: Array | None = None, *, keys: Array | None = None,
-             opt_state: Any = None) -> Minimised:
+             opt_state: Any = None,
+             value_and_grad: Callable[[Any, Any], tuple[Array, Any]] | None = None
+             ) -> Minimised:
     """Minimise ``loss(params, key)`` from ``params``; returns the parameters, the loss
     before each step and the final optimiser state.
 
@@ -57,9 +59,11 @@ def minimise(loss: Callable[[Any, Any], Array], params: Any,
             raise ValueError("give steps or keys")
         keys = jnp.arange(steps) if rng_key is None else jax.random.split(rng_key, steps)
 
+    direction = jax.value_and_grad(loss) if value_and_grad is None else value_and_grad
+
     def step(carry, key):
         p, state = carry
-        value, grads = jax.value_and_grad(loss)(p, key)
+        value, grads = direction(p, key)
         updates, state = optimizer.update(grads, state, p)
         return (optax.apply_updates(p, updates), state), value
 

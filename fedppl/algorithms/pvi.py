@@ -156,6 +156,10 @@ class VariationalSolver(NamedTuple):
     steps: int
     num_particles: int = 8
     tol: float = 1e-4
+    # ``gradient(loss, q_cavity, data, mask) -> value_and_grad`` replaces the loss's exact
+    # gradient with a private one (:class:`fedppl.algorithms.dp_pvi.DPSGD`); its solve then
+    # reports no data-dependent diagnostics (free energy NaN, converged True)
+    gradient: Callable | None = None
 
     def __call__(self, q_cavity, q, data, mask, rng_key):
         # (phi, seed=0) -> log p: the seed is left at its default here
@@ -172,12 +176,16 @@ class VariationalSolver(NamedTuple):
 
         keys = jax.random.split(rng_key, self.steps + 1)
         head = self.steps - max(self.steps // 10, 1)
+        vg = None if self.gradient is None else self.gradient(loss, q_cavity, data, mask)
         params, _, opt_state = minimise(loss, guide.params_from(q), self.optimizer,
-                                        keys=keys[1:head + 1])
+                                        keys=keys[1:head + 1], value_and_grad=vg)
         mid = guide.q_from(params)
         params = minimise(loss, params, self.optimizer, keys=keys[head + 1:],
-                          opt_state=opt_state).params
+                          opt_state=opt_state, value_and_grad=vg).params
         q_new = guide.q_from(params)
+        if vg is not None:  # a private solve releases q_new and nothing else
+            nan = jnp.full((), jnp.nan, q_new.nat1.dtype)
+            return LocalResult(q_new, nan, jnp.asarray(True), jnp.asarray(self.steps))
         change = g.kl(q_new, mid)
         return LocalResult(q_new, -loss(params, keys[0]), change <= self.tol,
                            jnp.asarray(self.steps))

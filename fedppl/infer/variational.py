@@ -36,6 +36,7 @@ from jax import Array
 
 from fedppl import validation
 from fedppl.algorithms import conjugate, natural_gradient, polya_gamma, pvi
+from fedppl.algorithms.dp_pvi import DPLocalAveraging, DPOptimisation
 from fedppl.algorithms.natural_gradient import PriorSolver
 from fedppl.clients import Clients
 from fedppl.families import gaussian as g
@@ -61,7 +62,8 @@ class PVIResult(Result):
     ``seconds``, ``step`` (rounds, K) the step each client's update was applied with (1 in
     full, less when the server shrank it, 0 when it refused it). ``rejected`` lists
     ``(round, client, reason)`` for updates the server refused; ``unconverged`` lists
-    ``(round, client)`` for local steps that stopped at their cap.
+    ``(round, client)`` for local steps that stopped at their cap. A private run (``privacy=``)
+    adds ``epsilon`` (rounds, K): each client's cumulative epsilon after each round.
     """
 
     guide: PVIGuide
@@ -71,6 +73,9 @@ class PVIResult(Result):
     local: g.Conditional | None = None  # the clients' private guides, stacked (local sites)
     prior_factor: g.Gaussian | None = None  # the server's t_0 (non-Gaussian priors)
     model: Callable | None = None  # the model as run (static keyword arguments bound)
+    # a private run's guarantee: per-client ``epsilon``, ``worst_epsilon``, ``delta``,
+    # ``noise_multiplier`` (see fedppl.algorithms.dp_pvi); None for a non-private run
+    privacy: dict[str, Any] | None = None
 
     @property
     def posterior(self) -> dict[str, Any]:
@@ -166,6 +171,11 @@ class PVI(FederatedMethod):
     :param shrink_warning: warn (once per run, naming the clients whose updates shrink q most)
         when, in any round after the run's first, a marginal sd of q, or the geometric mean of
         its sds (q's entropy per dimension), falls by more than this factor.
+    :param privacy: :class:`~fedppl.DPOptimisation` (DP-SGD local steps) or
+        :class:`~fedppl.DPLocalAveraging` (noised global updates): differentially private
+        messages, accounted per client (:mod:`fedppl.algorithms.dp_pvi`); the local step is then
+        ``local_steps`` (200) optax steps of ``optimizer`` with ``num_particles`` (8) draws, the
+        line search and the ELBO history are off.
     :param max_divergence: the server refuses (and records, naming the client) a message that
         alone would change q by more than this Jeffreys divergence in nats per dimension
         (:func:`fedppl.algorithms.pvi.verdicts`; also refused: non-finite messages and messages
@@ -180,11 +190,13 @@ class PVI(FederatedMethod):
                  local_steps: int | None = None, num_particles: int | None = None,
                  local_tol: float | None = None, conjugate: bool | str = "auto",
                  elbo_samples: int = 64, clients_per_round: int | None = None,
-                 shrink_warning: float = 2.0, line_search: bool = True,
-                 max_divergence: float = pvi.MAX_DIVERGENCE):
+                 shrink_warning: float = 2.0, line_search: bool | None = None,
+                 max_divergence: float = pvi.MAX_DIVERGENCE,
+                 privacy: DPOptimisation | DPLocalAveraging | None = None):
         validation.pvi_settings(damping, conjugate, solver, SOLVERS, local_steps, num_particles,
                                 local_tol, shrink_warning, max_divergence)
-        if optimizer is not None and solver != "optax" and conjugate != "polya-gamma":
+        if (optimizer is not None and solver != "optax" and conjugate != "polya-gamma"
+                and privacy is None):
             warnings.warn("optimizer is used only by solver='optax'; the default "
                           "natural-gradient local step needs no optimiser and ignores it",
                           UserWarning, stacklevel=2)
@@ -204,7 +216,14 @@ class PVI(FederatedMethod):
             raise ValueError(f"clients_per_round must be positive, got {clients_per_round}")
         self.clients_per_round = clients_per_round
         self.shrink_warning = float(shrink_warning)
-        self.line_search = bool(line_search)
+        if privacy is not None and not isinstance(privacy, (DPOptimisation, DPLocalAveraging)):
+            raise TypeError(f"privacy must be a fedppl.DPOptimisation or DPLocalAveraging, got "
+                            f"{type(privacy).__name__}")
+        if privacy is not None and line_search:
+            raise ValueError("line_search scores candidate q on the clients' data, which a "
+                             "private run does not release: leave it off with privacy=")
+        self.privacy = privacy
+        self.line_search = privacy is None if line_search is None else bool(line_search)
         self.max_divergence = float(max_divergence)
         self._compiled: dict = {}  # trio and ELBO function per solver, reused by later runs
         self._pooled = False  # GlobalVI: one client, the prior correction in its likelihood
@@ -251,6 +270,13 @@ class PVI(FederatedMethod):
                 raise ValueError(f"conjugate=True but the model is not conjugate: {why}")
         elif self.conjugate is True:
             raise ValueError(f"conjugate=True is not available: {reason}")
+        if self.privacy is not None:
+            if reason:
+                raise ValueError(f"privacy= is not available: {reason}")
+            steps, particles = opt(self.local_steps, 200), opt(self.num_particles, 8)
+            self._sigma = self.privacy.calibrated(np.asarray(clients.sizes), steps)
+            return (self.privacy.solver(model, self.guide, self.optimizer, steps, particles,
+                                        self._sigma), prior_solver)
         if self.solver == "optax":
             if reason:
                 raise ValueError(f"solver='optax' is not available: {reason}; use the default "
@@ -305,6 +331,8 @@ class PVI(FederatedMethod):
         trio, self._elbo = self._compiled[key]
         self._model_as_run = model
         self._log = _RoundLog(clients.names, self.shrink_warning)
+        self._sizes = np.asarray(clients.sizes)
+        self._dp_rounds = np.zeros(K, int)  # rounds each client took part in
         return trio, self.schedule, server, pvi.ClientState(factors, local)
 
     def _message_bytes(self, msgs: pvi.ClientMessage) -> int:
@@ -325,7 +353,10 @@ class PVI(FederatedMethod):
                "step": np.where(active, np.maximum(np.asarray(steps, float), 0.0), np.nan),
                "kl_change": float(_kl_change(q_new, q_old))}
         row["elbo"] = np.nan
-        if self._elbo is not None and self.data_at_server:
+        if self.privacy is not None:
+            self._dp_rounds += np.asarray(active, bool)
+            row["epsilon"] = self._epsilon()
+        elif self._elbo is not None and self.data_at_server:
             row["elbo"] = float(self._elbo(after.server, after.clients, after.data, after.masks,
                                            rng_key))
         return row
@@ -334,7 +365,21 @@ class PVI(FederatedMethod):
         return PVIResult(guide=self.guide, q=state.server.q, factors=state.clients.factor,
                          history=history, rejected=self._log.rejected, client_names=self._names,
                          unconverged=self._log.unconverged, local=state.clients.local,
-                         prior_factor=state.server.prior_factor, model=self._model_as_run)
+                         prior_factor=state.server.prior_factor, model=self._model_as_run,
+                         privacy=self._privacy_report())
+
+    def _epsilon(self) -> np.ndarray:
+        assert self.privacy is not None
+        return self.privacy.spent(self._sigma, self._dp_rounds, self._sizes,
+                                  self.local_steps or 200)
+
+    def _privacy_report(self) -> dict[str, Any] | None:
+        if self.privacy is None:
+            return None
+        eps = self._epsilon()
+        return {"epsilon": dict(zip(self._names, eps.tolist(), strict=True)),
+                "worst_epsilon": float(eps.max()), "delta": self.privacy.delta,
+                "noise_multiplier": self._sigma, "clip": self.privacy.clip}
 
     def _elbo_fn(self, solver: pvi.LocalSolver, model: Callable,
                  prior_solver: PriorSolver | None):
@@ -383,6 +428,11 @@ class PVI(FederatedMethod):
         state = super().init(rng_key, clients, factors=factors, resume=resume, **model_kwargs)
         return state._replace(rng_key=rng_key)  # PVI's set-up draws nothing: rounds use the key
 
+    def update(self, state: RunState) -> tuple[RunState, dict[str, Any]]:
+        if self.privacy is not None:  # the target's rounds are a budget
+            self.privacy.check_rounds(state.round, 1)
+        return super().update(state)
+
     def run(self, rng_key: Array, clients: Clients, num_rounds: int, *, progress_bar: bool = True,
             factors: g.Gaussian | None = None, tol: float | None = None,
             resume: PVIResult | None = None, **model_kwargs: Any) -> PVIResult:
@@ -396,6 +446,8 @@ class PVI(FederatedMethod):
         num_rounds = check_rounds(num_rounds)
         if tol is not None and not tol > 0:
             raise ValueError(f"tol must be positive, got {tol}")
+        if self.privacy is not None:
+            self.privacy.check_rounds(0, num_rounds)
         state = self.init(rng_key, clients, factors, resume=resume, **model_kwargs)
         stop = None if tol is None else (lambda info: info["kl_change"] <= tol)
         return self._loop(state, num_rounds, progress_bar, stop)

@@ -1,0 +1,423 @@
+"""Differentially private PVI (Heikkilä, Ashman, Swaroop, Turner and Honkela, TMLR 2023).
+
+A client's message is a function of its local optimum ``q_k`` and of what the server already
+published (``q``, the client's earlier factor), so making ``q_k`` differentially private with
+respect to the client's own records makes every message private, whatever the server does.
+Two ways to do that, each a setting of :class:`fedppl.PVI`'s ``privacy=``:
+
+* :class:`DPOptimisation` -- the local free energy is maximised by DP-SGD: every step takes
+  each sampled record's gradient of its expected log-likelihood (``vmap`` over records),
+  clips it to L2 norm ``clip``, sums, adds ``N(0, (noise_multiplier * clip)^2)`` to each
+  coordinate and scales the sum up by the sampling rate; the KL to the cavity holds no data and
+  keeps its exact gradient. Records are sampled each step by Poisson sampling with
+  ``sampling_rate`` (default 1: every record, every step) or, with ``batch_size``, ``batch_size``
+  of them without replacement. The guarantee holds for each client's records, against
+  everyone else, for all its steps and rounds.
+* :class:`DPLocalAveraging` -- perturbation of the global update: each record belongs to one of
+  ``shards`` disjoint shards (a label drawn once for the record, independent of the data); every
+  shard fits the client's local problem on its own records, its likelihood scaled up to the
+  client's size, starting from ``q``; each shard's change in the guide's parameters (mean and
+  log-scale, or the Cholesky factor's raw entries) is clipped to ``clip``; the client sends the
+  average of the clipped changes plus ``N(0, (noise_multiplier * clip / shards)^2)``. One record
+  moves one shard's change, by at most ``clip``: a Gaussian mechanism per round. Noise in these
+  parameters cannot make ``q_k`` improper, so nothing needs repairing.
+
+Accounting (:mod:`fedppl.accounting`, ``dp_accounting``): DP-SGD composes ``local_steps`` x
+rounds subsampled Gaussian mechanisms per client (Poisson subsampling with add/remove-one
+neighbours; fixed-size sampling without replacement with replace-one neighbours); local
+averaging composes one Gaussian mechanism per round. A client counts only the rounds it took
+part in. Give either ``noise_multiplier`` or a target ``epsilon`` with the number of ``rounds``;
+the multiplier is then calibrated for the client whose guarantee is weakest (the smallest, with
+``batch_size``). A run asked for more rounds than ``rounds`` refuses before any client runs.
+
+What a private run gives up: the server's line search (it would score candidate q on the
+clients' data) is off, the ELBO history is not computed, and a message's diagnostics (local
+free energy, convergence) are not sent: ``free_energy`` is NaN and every solve reports
+converged. Models with local latent sites are not supported (their records' gradients involve
+the client's private guide; use the non-private PVI for them).
+
+Example (4 clients, 2 rounds, DP-SGD at a target epsilon of 4)::
+
+    >>> import jax, numpy as np, fedppl
+    >>> from fedppl.models import logistic_regression as model
+    >>> rng = np.random.default_rng(0)
+    >>> X = rng.normal(size=(400, 2)); y = (X[:, 0] > 0) * 1.0
+    >>> clients = fedppl.partition.homogeneous(X, y, num_clients=4, seed=0)
+    >>> dp = fedppl.DPOptimisation(clip=1.0, epsilon=4.0, delta=1e-5, rounds=2,
+    ...                            sampling_rate=0.2)
+    >>> pvi = fedppl.PVI(model, fedppl.PVIGuide(model), "synchronous", privacy=dp,
+    ...                  local_steps=20)
+    >>> result = pvi.run(jax.random.key(0), clients, 2, progress_bar=False)
+    >>> bool(result.privacy["worst_epsilon"] <= 4.0), result.history["epsilon"].shape
+    (True, (2, 4))
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, NamedTuple, cast
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+from jax import Array
+
+from fedppl import accounting
+from fedppl.algorithms.natural_gradient import LocalResult, log_lik_fn
+from fedppl.algorithms.optimise import minimise
+from fedppl.families import gaussian as g
+from fedppl.guides.pvi_guide import PVIGuide
+
+if TYPE_CHECKING:
+    import dp_accounting
+
+__all__ = ["DPOptimisation", "DPLocalAveraging", "DPSGD", "LocalAveragingSolver",
+           "clip_records", "record_gradients"]
+
+
+# -- the settings a user gives ----------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class _Privacy:
+    """What both variants share: clipping, the noise or the target, and the accounting."""
+
+    clip: float
+    epsilon: float | None = None
+    delta: float = 1e-5
+    noise_multiplier: float | None = None
+    rounds: int | None = None
+    accounting: str = "rdp"
+
+    def __post_init__(self) -> None:
+        clip = float(self.clip)
+        if not clip > 0.0:
+            raise ValueError(f"clip must be positive (math.inf turns clipping off), got "
+                             f"{self.clip}")
+        accounting.check_delta(self.delta)
+        if (self.epsilon is None) == (self.noise_multiplier is None):
+            raise ValueError("give exactly one of epsilon (a target, with rounds) and "
+                             "noise_multiplier")
+        if self.epsilon is not None:
+            accounting.check_epsilon(self.epsilon)
+            if self.rounds is None:
+                raise ValueError("a target epsilon needs the number of rounds it must last: "
+                                 "give rounds=")
+        if self.noise_multiplier is not None:
+            s = float(self.noise_multiplier)
+            if not (s >= 0.0 and math.isfinite(s)):
+                raise ValueError(f"noise_multiplier must be finite and >= 0, got "
+                                 f"{self.noise_multiplier}")
+            if s > 0.0 and math.isinf(clip):
+                raise ValueError("noise needs a finite clip: the noise's scale is "
+                                 "noise_multiplier * clip")
+        if self.epsilon is not None and math.isinf(clip) and math.isfinite(self.epsilon):
+            raise ValueError("a finite epsilon needs a finite clip")
+        if self.rounds is not None and not (isinstance(self.rounds, int) and self.rounds > 0):
+            raise ValueError(f"rounds must be a positive integer, got {self.rounds!r}")
+        if self.accounting not in accounting.METHODS:
+            raise ValueError(f"accounting must be one of {accounting.METHODS}, got "
+                             f"{self.accounting!r}")
+
+    # a subclass says what one round costs one client
+    def round_event(self, sigma: float, size: int, steps: int) -> dp_accounting.DpEvent:
+        raise NotImplementedError
+
+    def event(self, sigma: float, rounds: int, size: int, steps: int) -> dp_accounting.DpEvent:
+        """``rounds`` rounds of one client holding ``size`` records."""
+        import dp_accounting
+
+        if rounds == 0:
+            return dp_accounting.NoOpDpEvent()
+        if sigma == 0.0:
+            return dp_accounting.NonPrivateDpEvent()
+        return dp_accounting.SelfComposedDpEvent(self.round_event(sigma, size, steps), rounds)
+
+    def calibrated(self, sizes: np.ndarray, steps: int) -> float:
+        """The noise multiplier: as given, or the smallest that keeps every client within the
+        target after ``rounds`` rounds (checked before any client runs)."""
+        self.check_sizes(sizes)
+        if self.noise_multiplier is not None:
+            return float(self.noise_multiplier)
+        assert self.epsilon is not None and self.rounds is not None
+        rounds, worst = self.rounds, int(np.min(sizes))
+        return accounting.calibrate(lambda s: self.event(s, rounds, worst, steps),
+                                    float(self.epsilon), self.delta, self.accounting)
+
+    def check_sizes(self, sizes: np.ndarray) -> None:
+        """Settings that some client's number of records cannot meet."""
+
+    def check_rounds(self, done: int, more: int) -> None:
+        """A clear error, before any client runs, when the target's rounds are spent."""
+        if self.epsilon is not None and self.rounds is not None and done + more > self.rounds:
+            raise ValueError(
+                f"the privacy budget (epsilon={self.epsilon}, delta={self.delta}) was calibrated "
+                f"for {self.rounds} rounds; {done} are done and {more} more were asked for")
+
+    def spent(self, sigma: float, counts: np.ndarray, sizes: np.ndarray, steps: int
+              ) -> np.ndarray:
+        """Each client's epsilon after taking part in ``counts[k]`` rounds."""
+        cache: dict[tuple[int, int], float] = {}
+        out = np.empty(len(counts))
+        for k, (c, n) in enumerate(zip(counts, sizes, strict=True)):
+            key = (int(c), int(n) if self.size_matters else 0)
+            if key not in cache:
+                cache[key] = accounting.epsilon(self.event(sigma, *key, steps), self.delta,
+                                                self.accounting)
+            out[k] = cache[key]
+        return out
+
+    size_matters = False
+
+
+@dataclass(frozen=True)
+class DPOptimisation(_Privacy):
+    """DP-SGD as each client's local step (see the module's text).
+
+    :param clip: per-record gradient norm bound ``C`` (``math.inf``: no clipping).
+    :param epsilon: target epsilon per client after ``rounds`` rounds (or ``noise_multiplier``).
+    :param delta: the ``delta`` of the guarantee.
+    :param noise_multiplier: the Gaussian noise's standard deviation over ``C``.
+    :param rounds: rounds the target must last.
+    :param sampling_rate: Poisson sampling probability of each record at each step.
+    :param batch_size: instead, records drawn without replacement at each step.
+    :param accounting: ``"rdp"`` or ``"pld"``.
+    """
+
+    sampling_rate: float = 1.0
+    batch_size: int | None = None
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        if not 0.0 < float(self.sampling_rate) <= 1.0:
+            raise ValueError(f"sampling_rate must be in (0, 1], got {self.sampling_rate}")
+        if self.batch_size is not None:
+            if not (isinstance(self.batch_size, int) and self.batch_size > 0):
+                raise ValueError(f"batch_size must be a positive integer, got "
+                                 f"{self.batch_size!r}")
+            if self.sampling_rate != 1.0:
+                raise ValueError("give sampling_rate (Poisson sampling) or batch_size "
+                                 "(fixed-size sampling), not both")
+
+    @property
+    def size_matters(self) -> bool:  # type: ignore[override]
+        return self.batch_size is not None
+
+    def round_event(self, sigma, size, steps):
+        import dp_accounting
+
+        one = dp_accounting.GaussianDpEvent(sigma)
+        if self.batch_size is not None:
+            if self.batch_size < size:
+                one = dp_accounting.SampledWithoutReplacementDpEvent(size, self.batch_size, one)
+        elif self.sampling_rate < 1.0:
+            one = dp_accounting.PoissonSampledDpEvent(self.sampling_rate, one)
+        return dp_accounting.SelfComposedDpEvent(one, steps)
+
+    def check_sizes(self, sizes):
+        if self.batch_size is not None and np.min(sizes) < self.batch_size:
+            k = int(np.argmin(sizes))
+            raise ValueError(f"batch_size={self.batch_size} but client {k} holds only "
+                             f"{int(sizes[k])} records")
+
+    def solver(self, model: Callable, guide: PVIGuide, optimizer: optax.GradientTransformation,
+               steps: int, num_particles: int, sigma: float):
+        from fedppl.algorithms.pvi import VariationalSolver
+
+        gradient = DPSGD(model, guide, num_particles, float(self.clip), sigma,
+                         float(self.sampling_rate), self.batch_size)
+        return VariationalSolver(model, guide, optimizer, steps, num_particles,
+                                 gradient=cast(Callable, gradient))
+
+
+@dataclass(frozen=True)
+class DPLocalAveraging(_Privacy):
+    """Perturbation of each client's global update by local averaging over ``shards`` disjoint
+    shards of its records (see the module's text); ``clip`` bounds one shard's change in the
+    guide's parameters."""
+
+    shards: int = 10
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        if not (isinstance(self.shards, int) and self.shards > 0):
+            raise ValueError(f"shards must be a positive integer, got {self.shards!r}")
+
+    def round_event(self, sigma, size, steps):
+        import dp_accounting
+
+        return dp_accounting.GaussianDpEvent(sigma)
+
+    def solver(self, model: Callable, guide: PVIGuide, optimizer: optax.GradientTransformation,
+               steps: int, num_particles: int, sigma: float):
+        return LocalAveragingSolver(model, guide, optimizer, steps, num_particles,
+                                    float(self.clip), sigma, self.shards)
+
+
+# -- per-record gradients, clipping, noise ------------------------------------------------------
+
+
+def record_gradients(model: Callable, guide: PVIGuide, params: Any, eps: Array, data: tuple,
+                     mask: Array) -> Any:
+    """Each record's gradient of its expected log-likelihood ``mean_s log p(y_n | theta_s)``,
+    ``theta_s = mean + scale * eps_s``, with respect to the guide's parameters: a pytree whose
+    leaves have the records on axis 0 (``vmap`` over records; a padded record's is zero)."""
+
+    def one(p, row, m):
+        mean, tril = guide.mean_and_tril(p)
+        theta = mean + (eps * tril if guide.diag else eps @ tril.T)
+        log_lik: Callable[..., Array] = log_lik_fn(model, guide, tuple(a[None] for a in row),
+                                                   m[None])
+        return jnp.mean(jax.vmap(log_lik)(theta))
+
+    return jax.vmap(jax.grad(one), in_axes=(None, 0, 0))(params, data, mask)
+
+
+def clip_records(tree: Any, clip: float) -> Any:
+    """Scale each record's slice (axis 0 of every leaf) to L2 norm at most ``clip`` over the
+    whole pytree; ``clip = inf`` leaves it as it is."""
+    leaves = jax.tree_util.tree_leaves(tree)
+    sq = sum(jnp.sum(x.reshape(x.shape[0], -1) ** 2, axis=1) for x in leaves)
+    norm = jnp.sqrt(sq)
+    factor = jnp.minimum(1.0, clip / jnp.maximum(norm, jnp.finfo(norm.dtype).tiny))
+    return jax.tree_util.tree_map(
+        lambda x: x * factor.reshape((-1,) + (1,) * (x.ndim - 1)).astype(x.dtype), tree)
+
+
+def _noise(key: Array, tree: Any, std: float) -> Any:
+    """``tree`` plus independent ``N(0, std^2)`` noise on every entry (nothing added at 0)."""
+    if std == 0.0:
+        return tree
+    leaves, treedef = jax.tree_util.tree_flatten(tree)
+    keys = jax.random.split(key, len(leaves))
+    return jax.tree_util.tree_unflatten(treedef, [
+        x + std * jax.random.normal(k, x.shape, x.dtype) for x, k in zip(leaves, keys,
+                                                                       strict=True)])
+
+
+class DPSGD(NamedTuple):
+    """The private gradient of a client's local free energy, for
+    :class:`~fedppl.algorithms.pvi.VariationalSolver`'s ``gradient``: exact gradient of the
+    KL to the cavity minus the scaled, noised sum of the sampled records' clipped gradients.
+    The draws ``eps`` come from the step's key exactly as the non-private solver draws them,
+    so with no noise, no clipping and every record sampled the steps are the same."""
+
+    model: Callable
+    guide: PVIGuide
+    num_particles: int
+    clip: float
+    noise_multiplier: float
+    sampling_rate: float = 1.0
+    batch_size: int | None = None
+
+    def sample(self, key: Array, mask: Array) -> tuple[Array, Array]:
+        """Weights of this step's records (1 for a sampled one) and the sum's scale-up."""
+        if self.batch_size is not None:
+            u = jnp.where(mask, jax.random.uniform(key, mask.shape), jnp.inf)
+            chosen = jnp.zeros(mask.shape, bool).at[jnp.argsort(u)[:self.batch_size]].set(True)
+            return (chosen & mask).astype(float), jnp.sum(mask) / self.batch_size
+        if self.sampling_rate == 1.0:
+            return mask.astype(float), jnp.asarray(1.0)
+        pick = jax.random.bernoulli(key, self.sampling_rate, mask.shape)
+        return (pick & mask).astype(float), jnp.asarray(1.0 / self.sampling_rate)
+
+    def __call__(self, loss: Callable, q_cavity: g.Gaussian, data: tuple, mask: Array
+                 ) -> Callable[[Any, Array], tuple[Array, Any]]:
+        guide = self.guide
+        cav_mean, _ = g.to_moments(q_cavity)
+
+        def kl(params):
+            mean, tril = guide.mean_and_tril(params)
+            return g.kl_from_moments(mean, tril, q_cavity, cav_mean)
+
+        def value_and_grad(params, key):
+            mean = params["pvi_loc"]
+            eps = jax.random.normal(key, (self.num_particles, mean.shape[-1]), dtype=mean.dtype)
+            value, kl_grad = jax.value_and_grad(kl)(params)
+            total, up = self.private_sum(params, eps, key, data, mask)
+            grads = jax.tree_util.tree_map(lambda a, b: a - up.astype(b.dtype) * b, kl_grad,
+                                           total)
+            return value, grads
+
+        return value_and_grad
+
+    def private_sum(self, params: Any, eps: Array, key: Array, data: tuple, mask: Array
+                    ) -> tuple[Any, Array]:
+        """The step's mechanism: the sampled records' clipped gradients summed, plus
+        ``N(0, (noise_multiplier * clip)^2)`` on each coordinate (sampling and noise keyed by
+        ``key``), and the scale-up that makes it an estimate of the full sum."""
+        per = clip_records(record_gradients(self.model, self.guide, params, eps, data, mask),
+                           self.clip)
+        w, up = self.sample(jax.random.fold_in(key, 1), mask)
+        total = jax.tree_util.tree_map(lambda x: jnp.tensordot(w.astype(x.dtype), x, 1), per)
+        std = 0.0 if self.noise_multiplier == 0.0 else self.noise_multiplier * self.clip
+        return _noise(jax.random.fold_in(key, 2), total, std), up
+
+
+class LocalAveragingSolver(NamedTuple):
+    """Local averaging (see the module's text): ``shards`` fits vmapped, clipped, averaged and
+    noised in the guide's parameters. Each shard runs ``steps`` optax steps with
+    ``num_particles`` fresh draws per step."""
+
+    model: Callable
+    guide: PVIGuide
+    optimizer: optax.GradientTransformation
+    steps: int
+    num_particles: int
+    clip: float
+    noise_multiplier: float
+    shards: int
+
+    def labels(self, num_rows: int) -> Array:
+        """Each record's shard: a label drawn once per record position, independent of the
+        data (the same in every round)."""
+        return jax.random.randint(jax.random.key(0x5EED), (num_rows,), 0, self.shards)
+
+    def changes(self, q_cavity: g.Gaussian, q: g.Gaussian, data: tuple, mask: Array,
+                key: Array) -> Any:
+        """Each shard's change in the guide's parameters from ``q`` (stacked on axis 0): the
+        shard's records' likelihood, weighted by ``shards`` so that the shard stands in for the
+        whole client, against the KL to the cavity. The weight is the public ``shards``, not the
+        client's size over the shard's: one record then moves its own shard's fit only."""
+        guide, S, M = self.guide, self.num_particles, self.shards
+        cav_mean, _ = g.to_moments(q_cavity)
+        label = self.labels(mask.shape[0])
+        start = guide.params_from(q)
+
+        def fit(j, k_fit):
+            own = mask & (label == j)
+            lik: Callable[..., Array] = log_lik_fn(self.model, guide, data, own)
+
+            def loss(params, k):
+                mean, tril = guide.mean_and_tril(params)
+                e = jax.random.normal(k, (S, mean.shape[-1]), dtype=mean.dtype)
+                theta = mean + (e * tril if guide.diag else e @ tril.T)
+                ell = jnp.mean(jax.vmap(lik)(theta))
+                return g.kl_from_moments(mean, tril, q_cavity, cav_mean) - M * ell
+
+            params = minimise(loss, start, self.optimizer, self.steps, k_fit).params
+            change = jax.tree_util.tree_map(lambda a, b: a - b, params, start)
+            # a shard without records changes nothing
+            return jax.tree_util.tree_map(lambda c: jnp.where(jnp.any(own), c, 0.0), change)
+
+        return jax.vmap(fit)(jnp.arange(M), jax.random.split(key, M))
+
+    def release(self, q: g.Gaussian, changes: Any, key: Array) -> Any:
+        """The mechanism: the guide's parameters at ``q`` moved by the average of the clipped
+        changes, plus ``N(0, (noise_multiplier * clip / shards)^2)`` on each coordinate."""
+        total = jax.tree_util.tree_map(lambda x: jnp.sum(x, axis=0),
+                                       clip_records(changes, self.clip))
+        std = 0.0 if self.noise_multiplier == 0.0 else self.noise_multiplier * self.clip
+        total = _noise(key, total, std)
+        return jax.tree_util.tree_map(lambda a, t: a + t / self.shards,
+                                      self.guide.params_from(q), total)
+
+    def __call__(self, q_cavity, q, data, mask, rng_key):
+        k_fit, k_noise = jax.random.split(rng_key)
+        params = self.release(q, self.changes(q_cavity, q, data, mask, k_fit), k_noise)
+        nan = jnp.full((), jnp.nan, q.nat1.dtype)
+        return LocalResult(self.guide.q_from(params), nan, jnp.asarray(True),
+                           jnp.asarray(self.steps))
