@@ -17,7 +17,7 @@ Example::
 """
 
 from fedppl import datasets, families, handlers, metrics, partition
-from fedppl.algorithms.dp_pvi import DPLocalAveraging, DPOptimisation
+from fedppl.algorithms.dp_pvi import DPLocalAveraging, DPOptimisation, DPVirtualParties
 from fedppl.clients import Clients
 from fedppl.guides import PVIGuide
 from fedppl.infer import (
@@ -43,5 +43,5 @@ __version__ = "0.1.0"
 __all__ = ["PVI", "GlobalVI", "PVIResult", "PVIGuide", "FederatedSGP", "SGPConfig",
            "SGPResult", "FSGP", "FSGPConfig", "FSGPResult", "FedBNR", "FedBNRResult", "PFedMul",
            "PFedMulResult", "CoTraining", "CoTrainingResult", "DPOptimisation",
-           "DPLocalAveraging", "Clients", "partition", "handlers",
+           "DPLocalAveraging", "DPVirtualParties", "Clients", "partition", "handlers",
            "families", "metrics", "datasets", "__version__"]

@@ -3,7 +3,7 @@
 A client's message is a function of its local optimum ``q_k`` and of what the server already
 published (``q``, the client's earlier factor), so making ``q_k`` differentially private with
 respect to the client's own records makes every message private, whatever the server does.
-Two ways to do that, each a setting of :class:`fedppl.PVI`'s ``privacy=``:
+Three ways to do that (the paper's variants), each a setting of :class:`fedppl.PVI`'s ``privacy=``:
 
 * :class:`DPOptimisation` -- the local free energy is maximised by DP-SGD: every step takes
   each sampled record's gradient of its expected log-likelihood (``vmap`` over records),
@@ -21,12 +21,18 @@ Two ways to do that, each a setting of :class:`fedppl.PVI`'s ``privacy=``:
   average of the clipped changes plus ``N(0, (noise_multiplier * clip / shards)^2)``. One record
   moves one shard's change, by at most ``clip``: a Gaussian mechanism per round. Noise in these
   parameters cannot make ``q_k`` improper, so nothing needs repairing.
+* :class:`DPVirtualParties` -- perturbation of the global update by virtual parties: the
+  client's records are split as above among ``parties`` parties, each with its own factor
+  (they sum to the client's factor and never leave it); every party takes a PVI step on its
+  own records against its own cavity, its change of factor in natural parameters is clipped
+  to ``clip`` and noised, and the client sends the sum, whose noise is
+  ``N(0, (noise_multiplier * clip)^2)``: again one Gaussian mechanism per round.
 
 Accounting (:mod:`fedppl.accounting`, ``dp_accounting``): DP-SGD composes ``local_steps`` x
 rounds subsampled Gaussian mechanisms per client (Poisson subsampling with add/remove-one
 neighbours; fixed-size sampling without replacement with replace-one neighbours); local
-averaging composes one Gaussian mechanism per round. A client counts only the rounds it took
-part in. Give either ``noise_multiplier`` or a target ``epsilon`` with the number of ``rounds``;
+averaging and virtual parties compose one Gaussian mechanism per round. A client counts only
+the rounds it took part in. Give either ``noise_multiplier`` or a target ``epsilon`` with the number of ``rounds``;
 the multiplier is then calibrated for the client whose guarantee is weakest (the smallest, with
 ``batch_size``). A run asked for more rounds than ``rounds`` refuses before any client runs.
 
@@ -74,8 +80,9 @@ from fedppl.guides.pvi_guide import PVIGuide
 if TYPE_CHECKING:
     import dp_accounting
 
-__all__ = ["DPOptimisation", "DPLocalAveraging", "DPSGD", "LocalAveragingSolver",
-           "clip_records", "record_gradients"]
+__all__ = ["DPOptimisation", "DPLocalAveraging", "DPVirtualParties", "DPSGD",
+           "LocalAveragingSolver", "VirtualPartiesSolver", "clip_records", "record_gradients",
+           "shard_labels"]
 
 
 # -- the settings a user gives ----------------------------------------------------------------
@@ -257,6 +264,41 @@ class DPLocalAveraging(_Privacy):
                                     float(self.clip), sigma, self.shards)
 
 
+@dataclass(frozen=True)
+class DPVirtualParties(_Privacy):
+    """Perturbation of each client's global update by ``parties`` virtual parties: the client's
+    records are split into ``parties`` disjoint shards, each a party with its own factor (the
+    factors sum to the client's); each party runs a PVI step on its own records against its own
+    cavity, and its change of factor (natural parameters) is clipped to ``clip`` and noised
+    with ``N(0, (noise_multiplier * clip)^2 / parties)``; the client sends the sum. One record
+    moves one party's change, by at most ``clip``, and the noises add up to
+    ``N(0, (noise_multiplier * clip)^2)``: a Gaussian mechanism per round. The parties'
+    factors stay with the client."""
+
+    parties: int = 10
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        if not (isinstance(self.parties, int) and self.parties > 0):
+            raise ValueError(f"parties must be a positive integer, got {self.parties!r}")
+
+    def round_event(self, sigma, size, steps):
+        import dp_accounting
+
+        return dp_accounting.GaussianDpEvent(sigma)
+
+    def split(self, factors: g.Gaussian) -> g.Gaussian:
+        """The parties' first factors: each client's factor shared equally (client axis 0,
+        parties axis 1), so that they sum to it."""
+        return jax.tree_util.tree_map(
+            lambda t: jnp.repeat((t / self.parties)[:, None], self.parties, axis=1), factors)
+
+    def solver(self, model: Callable, guide: PVIGuide, optimizer: optax.GradientTransformation,
+               steps: int, num_particles: int, sigma: float):
+        return VirtualPartiesSolver(model, guide, optimizer, steps, num_particles,
+                                    float(self.clip), sigma, self.parties)
+
+
 # -- per-record gradients, clipping, noise ------------------------------------------------------
 
 
@@ -287,15 +329,30 @@ def clip_records(tree: Any, clip: float) -> Any:
         lambda x: x * factor.reshape((-1,) + (1,) * (x.ndim - 1)).astype(x.dtype), tree)
 
 
-def _noise(key: Array, tree: Any, std: float) -> Any:
+def _noise(key: Array, tree: Any, std: float | Array) -> Any:
     """``tree`` plus independent ``N(0, std^2)`` noise on every entry (nothing added at 0)."""
-    if std == 0.0:
+    if isinstance(std, float) and std == 0.0:
         return tree
     leaves, treedef = jax.tree_util.tree_flatten(tree)
     keys = jax.random.split(key, len(leaves))
     return jax.tree_util.tree_unflatten(treedef, [
         x + std * jax.random.normal(k, x.shape, x.dtype) for x, k in zip(leaves, keys,
                                                                        strict=True)])
+
+
+def _gaussian_noise(key: Array, t: g.Gaussian, std: float) -> g.Gaussian:
+    """A Gaussian factor plus ``N(0, std^2)`` noise on each of its free natural parameters: a
+    full precision gets noise on its upper triangle, mirrored (it stays symmetric, and the
+    upper triangle's norm is at most the matrix's, so the clipping bound still holds)."""
+    if std == 0.0:
+        return t
+    k1, k2 = jax.random.split(key)
+    nat1 = t.nat1 + std * jax.random.normal(k1, t.nat1.shape, t.nat1.dtype)
+    z = std * jax.random.normal(k2, t.prec.shape, t.prec.dtype)
+    if isinstance(t, g.FullGaussian):
+        upper = jnp.triu(z)
+        z = upper + jnp.swapaxes(jnp.triu(z, 1), -1, -2)
+    return type(t)(nat1, t.prec + z)
 
 
 class DPSGD(NamedTuple):
@@ -357,6 +414,30 @@ class DPSGD(NamedTuple):
         return _noise(jax.random.fold_in(key, 2), total, std), up
 
 
+def shard_labels(num_rows: int, shards: int) -> Array:
+    """Each record's shard (or virtual party): a label drawn once per record position,
+    independent of the data, the same in every round."""
+    return jax.random.randint(jax.random.key(0x5EED), (num_rows,), 0, shards)
+
+
+def _fit(model: Callable, guide: PVIGuide, optimizer: optax.GradientTransformation, steps: int,
+         num_particles: int, q_cavity: g.Gaussian, start: Any, data: tuple, mask: Array,
+         weight: float, key: Array) -> Any:
+    """``steps`` optax steps on ``KL(q || q_cavity) - weight * E_q[log p(y_mask | theta)]``
+    from the guide's parameters ``start``, ``num_particles`` fresh draws per step."""
+    cav_mean, _ = g.to_moments(q_cavity)
+    lik: Callable[..., Array] = log_lik_fn(model, guide, data, mask)
+
+    def loss(params, k):
+        mean, tril = guide.mean_and_tril(params)
+        e = jax.random.normal(k, (num_particles, mean.shape[-1]), dtype=mean.dtype)
+        theta = mean + (e * tril if guide.diag else e @ tril.T)
+        ell = jnp.mean(jax.vmap(lik)(theta))
+        return g.kl_from_moments(mean, tril, q_cavity, cav_mean) - weight * ell
+
+    return minimise(loss, start, optimizer, steps, key).params
+
+
 class LocalAveragingSolver(NamedTuple):
     """Local averaging (see the module's text): ``shards`` fits vmapped, clipped, averaged and
     noised in the guide's parameters. Each shard runs ``steps`` optax steps with
@@ -372,9 +453,7 @@ class LocalAveragingSolver(NamedTuple):
     shards: int
 
     def labels(self, num_rows: int) -> Array:
-        """Each record's shard: a label drawn once per record position, independent of the
-        data (the same in every round)."""
-        return jax.random.randint(jax.random.key(0x5EED), (num_rows,), 0, self.shards)
+        return shard_labels(num_rows, self.shards)
 
     def changes(self, q_cavity: g.Gaussian, q: g.Gaussian, data: tuple, mask: Array,
                 key: Array) -> Any:
@@ -382,23 +461,14 @@ class LocalAveragingSolver(NamedTuple):
         shard's records' likelihood, weighted by ``shards`` so that the shard stands in for the
         whole client, against the KL to the cavity. The weight is the public ``shards``, not the
         client's size over the shard's: one record then moves its own shard's fit only."""
-        guide, S, M = self.guide, self.num_particles, self.shards
-        cav_mean, _ = g.to_moments(q_cavity)
+        M = self.shards
         label = self.labels(mask.shape[0])
-        start = guide.params_from(q)
+        start = self.guide.params_from(q)
 
         def fit(j, k_fit):
             own = mask & (label == j)
-            lik: Callable[..., Array] = log_lik_fn(self.model, guide, data, own)
-
-            def loss(params, k):
-                mean, tril = guide.mean_and_tril(params)
-                e = jax.random.normal(k, (S, mean.shape[-1]), dtype=mean.dtype)
-                theta = mean + (e * tril if guide.diag else e @ tril.T)
-                ell = jnp.mean(jax.vmap(lik)(theta))
-                return g.kl_from_moments(mean, tril, q_cavity, cav_mean) - M * ell
-
-            params = minimise(loss, start, self.optimizer, self.steps, k_fit).params
+            params = _fit(self.model, self.guide, self.optimizer, self.steps,
+                          self.num_particles, q_cavity, start, data, own, M, k_fit)
             change = jax.tree_util.tree_map(lambda a, b: a - b, params, start)
             # a shard without records changes nothing
             return jax.tree_util.tree_map(lambda c: jnp.where(jnp.any(own), c, 0.0), change)
@@ -421,3 +491,59 @@ class LocalAveragingSolver(NamedTuple):
         nan = jnp.full((), jnp.nan, q.nat1.dtype)
         return LocalResult(self.guide.q_from(params), nan, jnp.asarray(True),
                            jnp.asarray(self.steps))
+
+
+class VirtualPartiesSolver(NamedTuple):
+    """Virtual parties (:class:`DPVirtualParties`): one PVI step per party, vmapped over the
+    parties; each party's change of factor is clipped in natural parameters and noised. A noisy
+    change that would leave ``q`` improper is scaled down by the client (halving, as the server
+    would, down to 2^-10, else dropped): post-processing of the released change with the
+    public ``q``, which costs no privacy."""
+
+    model: Callable
+    guide: PVIGuide
+    optimizer: optax.GradientTransformation
+    steps: int
+    num_particles: int
+    clip: float
+    noise_multiplier: float
+    parties: int
+
+    def changes(self, q: g.Gaussian, data: tuple, mask: Array, parties: g.Gaussian, key: Array
+                ) -> g.Gaussian:
+        """Each party's change of factor ``q_j / cavity_j - t_j = q_j - q`` (natural
+        parameters, stacked on axis 0), with ``cavity_j = q / t_j``."""
+        label = shard_labels(mask.shape[0], self.parties)
+        start = self.guide.params_from(q)
+
+        def fit(j, t_j, k_fit):
+            own = mask & (label == j)
+            cavity, _ = g.repair(g.quotient(q, t_j))
+            params = _fit(self.model, self.guide, self.optimizer, self.steps,
+                          self.num_particles, cavity, start, data, own, 1.0, k_fit)
+            change = g.quotient(self.guide.q_from(params), q)
+            return jax.tree_util.tree_map(lambda c: jnp.where(jnp.any(own), c, 0.0), change)
+
+        keys = jax.random.split(key, self.parties)
+        return jax.vmap(fit)(jnp.arange(self.parties), parties, keys)
+
+    def release(self, q: g.Gaussian, changes: g.Gaussian, key: Array) -> g.Gaussian:
+        """The mechanism: each party's clipped change plus its share of the noise."""
+        std = (0.0 if self.noise_multiplier == 0.0
+               else self.noise_multiplier * self.clip / math.sqrt(self.parties))
+        clipped = clip_records(changes, self.clip)
+        keys = jax.random.split(key, self.parties)
+        return jax.vmap(lambda c, k: _gaussian_noise(k, c, std))(clipped, keys)
+
+    def __call__(self, q_cavity, q, data, mask, rng_key, parties):
+        k_fit, k_noise = jax.random.split(rng_key)
+        noisy = self.release(q, self.changes(q, data, mask, parties, k_fit), k_noise)
+        total = jax.tree_util.tree_map(lambda x: jnp.sum(x, axis=0), noisy)
+        sizes = jnp.asarray([2.0**-i for i in range(11)], q.nat1.dtype)
+        moved = jax.vmap(lambda s: g.product(q, g.scale(total, s)))(sizes)
+        ok = g.is_pd(moved) & g.is_finite(moved)
+        step = jnp.where(jnp.any(ok), sizes[jnp.argmax(ok)], 0.0)
+        nan = jnp.full((), jnp.nan, q.nat1.dtype)
+        new_parties = jax.tree_util.tree_map(lambda t, d: t + step * d, parties, noisy)
+        return LocalResult(g.product(q, g.scale(total, step)), nan, jnp.asarray(True),
+                           jnp.asarray(self.steps), parties=new_parties)

@@ -99,6 +99,7 @@ class LocalResult(NamedTuple):
     converged: Array
     iterations: Array
     local: g.Conditional | None = None
+    parties: g.Gaussian | None = None  # DP-PVI's virtual parties' new factors (stacked)
 
 
 def base_draws(num_draws: int, dim: int, dtype, seed: int = 0) -> Array:

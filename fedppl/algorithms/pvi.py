@@ -103,10 +103,12 @@ class ServerState(NamedTuple):
 
 class ClientState(NamedTuple):
     """What client ``k`` keeps between rounds: its factor ``t_k`` and, for a model with local
-    sites, its private guide over them (never sent)."""
+    sites, its private guide over them (never sent); with DP-PVI's virtual parties
+    (:class:`fedppl.DPVirtualParties`), their factors, whose sum is ``t_k`` (never sent)."""
 
     factor: g.Gaussian
     local: g.Conditional | None = None
+    parties: g.Gaussian | None = None
 
 
 class ClientMessage(NamedTuple):
@@ -136,6 +138,14 @@ class _LocalSitesSolver(Protocol):
 
     def __call__(self, q_cavity: g.Gaussian, q: g.Gaussian, data: tuple, mask: Array,
                  rng_key: Array, local: g.Conditional | None = None) -> LocalResult: ...
+
+
+class _PartiesSolver(Protocol):
+    """A :class:`LocalSolver` that also takes a client's virtual parties' factors
+    (:class:`~fedppl.algorithms.dp_pvi.VirtualPartiesSolver`)."""
+
+    def __call__(self, q_cavity: g.Gaussian, q: g.Gaussian, data: tuple, mask: Array,
+                 rng_key: Array, parties: g.Gaussian) -> LocalResult: ...
 
 
 class VariationalSolver(NamedTuple):
@@ -234,7 +244,9 @@ def client_update(q: g.Gaussian, state: ClientState, data: tuple, mask: Array, r
                   ) -> tuple[ClientMessage, ClientState]:
     """One PVI step on one client; returns the message and the client's proposed new state."""
     q_cav, repaired = g.repair(g.quotient(q, state.factor))
-    if state.local is None:
+    if state.parties is not None:  # DP-PVI's virtual parties refine their own factors
+        out = cast(_PartiesSolver, solver)(q_cav, q, data, mask, rng_key, parties=state.parties)
+    elif state.local is None:
         out = solver(q_cav, q, data, mask, rng_key)
     else:  # a client with local sites runs a solver that takes its private guide
         out = cast(_LocalSitesSolver, solver)(q_cav, q, data, mask, rng_key, local=state.local)
@@ -256,7 +268,10 @@ def _propose(state: ClientState, q_cav: g.Gaussian, repaired: Array, out: LocalR
     new_factor = g.damp(state.factor, g.quotient(out.q, q_cav), damping)
     msg = ClientMessage(g.quotient(new_factor, state.factor), out.free_energy, repaired,
                         out.converged, out.iterations)
-    return msg, ClientState(new_factor, out.local)
+    parties = None
+    if state.parties is not None and out.parties is not None:  # damped like the factor
+        parties = g.damp(state.parties, out.parties, damping)
+    return msg, ClientState(new_factor, out.local, parties)
 
 
 def _prior_factor(state: ServerState) -> g.Gaussian:
@@ -353,12 +368,16 @@ def acknowledge(states: ClientState, messages: ClientMessage, steps: Array,
         return t + jnp.where(s > 0, s * d, 0.0)
 
     factor = jax.tree_util.tree_map(apply, states.factor, messages.delta)
-    local = states.local
+    local, parties = states.local, states.parties
     if local is not None and proposed is not None:
         local = jax.tree_util.tree_map(
             lambda new, old: jnp.where(steps.reshape(steps.shape + (1,) * (new.ndim - 1)) > 0,
                                        new, old), proposed.local, local)
-    return ClientState(factor, local)
+    if parties is not None and proposed is not None and proposed.parties is not None:
+        # the parties' factors move by the same step, so they still sum to the factor
+        parties = jax.tree_util.tree_map(lambda old, new: apply(old, new - old), parties,
+                                         proposed.parties)
+    return ClientState(factor, local, parties)
 
 
 def make_trio(solver: LocalSolver, damping: float, prior: g.Gaussian, *,

@@ -36,7 +36,7 @@ from jax import Array
 
 from fedppl import validation
 from fedppl.algorithms import conjugate, natural_gradient, polya_gamma, pvi
-from fedppl.algorithms.dp_pvi import DPLocalAveraging, DPOptimisation
+from fedppl.algorithms.dp_pvi import DPLocalAveraging, DPOptimisation, DPVirtualParties
 from fedppl.algorithms.natural_gradient import PriorSolver
 from fedppl.clients import Clients
 from fedppl.families import gaussian as g
@@ -171,8 +171,9 @@ class PVI(FederatedMethod):
     :param shrink_warning: warn (once per run, naming the clients whose updates shrink q most)
         when, in any round after the run's first, a marginal sd of q, or the geometric mean of
         its sds (q's entropy per dimension), falls by more than this factor.
-    :param privacy: :class:`~fedppl.DPOptimisation` (DP-SGD local steps) or
-        :class:`~fedppl.DPLocalAveraging` (noised global updates): differentially private
+    :param privacy: :class:`~fedppl.DPOptimisation` (DP-SGD local steps),
+        :class:`~fedppl.DPLocalAveraging` or :class:`~fedppl.DPVirtualParties` (noised global
+        updates): differentially private
         messages, accounted per client (:mod:`fedppl.algorithms.dp_pvi`); the local step is then
         ``local_steps`` (200) optax steps of ``optimizer`` with ``num_particles`` (8) draws, the
         line search and the ELBO history are off.
@@ -192,7 +193,7 @@ class PVI(FederatedMethod):
                  elbo_samples: int = 64, clients_per_round: int | None = None,
                  shrink_warning: float = 2.0, line_search: bool | None = None,
                  max_divergence: float = pvi.MAX_DIVERGENCE,
-                 privacy: DPOptimisation | DPLocalAveraging | None = None):
+                 privacy: DPOptimisation | DPLocalAveraging | DPVirtualParties | None = None):
         validation.pvi_settings(damping, conjugate, solver, SOLVERS, local_steps, num_particles,
                                 local_tol, shrink_warning, max_divergence)
         if (optimizer is not None and solver != "optax" and conjugate != "polya-gamma"
@@ -216,9 +217,10 @@ class PVI(FederatedMethod):
             raise ValueError(f"clients_per_round must be positive, got {clients_per_round}")
         self.clients_per_round = clients_per_round
         self.shrink_warning = float(shrink_warning)
-        if privacy is not None and not isinstance(privacy, (DPOptimisation, DPLocalAveraging)):
-            raise TypeError(f"privacy must be a fedppl.DPOptimisation or DPLocalAveraging, got "
-                            f"{type(privacy).__name__}")
+        if privacy is not None and not isinstance(
+                privacy, (DPOptimisation, DPLocalAveraging, DPVirtualParties)):
+            raise TypeError(f"privacy must be a fedppl.DPOptimisation, DPLocalAveraging or "
+                            f"DPVirtualParties, got {type(privacy).__name__}")
         if privacy is not None and line_search:
             raise ValueError("line_search scores candidate q on the clients' data, which a "
                              "private run does not release: leave it off with privacy=")
@@ -333,7 +335,9 @@ class PVI(FederatedMethod):
         self._log = _RoundLog(clients.names, self.shrink_warning)
         self._sizes = np.asarray(clients.sizes)
         self._dp_rounds = np.zeros(K, int)  # rounds each client took part in
-        return trio, self.schedule, server, pvi.ClientState(factors, local)
+        parties = (self.privacy.split(factors) if isinstance(self.privacy, DPVirtualParties)
+                   else None)
+        return trio, self.schedule, server, pvi.ClientState(factors, local, parties)
 
     def _message_bytes(self, msgs: pvi.ClientMessage) -> int:
         return g.num_bytes(jax.tree_util.tree_map(lambda x: x[0], msgs.delta))

@@ -16,7 +16,13 @@ import pytest
 
 import fedppl
 from fedppl import accounting
-from fedppl.algorithms.dp_pvi import DPSGD, LocalAveragingSolver, clip_records
+from fedppl.algorithms.dp_pvi import (
+    DPSGD,
+    LocalAveragingSolver,
+    VirtualPartiesSolver,
+    clip_records,
+    shard_labels,
+)
 from fedppl.models import logistic_regression as model
 from tests.test_priors import robust_regression
 
@@ -145,8 +151,47 @@ def averaging_neighbours(clients):
     return np.asarray(mu), np.asarray(mu_prime), sample, sigma * clip / M, sigma
 
 
+@pytest.fixture(scope="module")
+def parties_neighbours(clients):
+    """Virtual parties' release (the sum of the parties' noised changes) with and without a
+    record that is alone in its party."""
+    guide = fedppl.PVIGuide(model)
+    guide.setup(*clients.client(0))
+    data, mask = tuple(a[0] for a in clients.stacked), clients.mask[0]
+    clip, sigma = 0.5, 1.0
+    M = next(m for m in range(8, 40) if np.sum(
+        np.asarray(shard_labels(mask.shape[0], m) == shard_labels(mask.shape[0], m)[0])
+        & np.asarray(mask)) == 1)
+    solver = VirtualPartiesSolver(model, guide, optax.adam(0.05), 10, 4, clip, sigma, M)
+    q = guide.prior
+    parties = jax.tree_util.tree_map(lambda t: jnp.zeros((M, *t.shape), t.dtype), q)
+    key = jax.random.key(2)
+    full = solver.changes(q, data, mask, parties, key)
+    fewer = solver.changes(q, data, mask.at[0].set(False), parties, key)
+    rows, rows_fewer = np.asarray(jax.vmap(_flat)(full)), np.asarray(jax.vmap(_flat)(fewer))
+    shard = int(shard_labels(mask.shape[0], M)[0])
+    for j in range(M):
+        assert np.array_equal(rows[j], rows_fewer[j]) == (j != shard)
+
+    def released(sig, changes, keys):
+        mech = solver._replace(noise_multiplier=sig)
+        return jax.vmap(lambda k: _flat(jax.tree_util.tree_map(
+            lambda x: jnp.sum(x, axis=0), mech.release(q, changes, k))))(keys)
+
+    one = jax.random.split(jax.random.key(0), 1)
+    mu, mu_prime = released(0.0, full, one)[0], released(0.0, fewer, one)[0]
+    np.testing.assert_allclose(np.linalg.norm(mu - mu_prime), clip, rtol=1e-6)
+
+    def sample(first, shrink, n=20_000):
+        return np.asarray(released(sigma / shrink, full if first else fewer,
+                                   jax.random.split(jax.random.key(30 + first), n)))
+
+    return np.asarray(mu), np.asarray(mu_prime), sample, sigma * clip, sigma
+
+
 @pytest.mark.parametrize("method", ["rdp", "pld"])
-@pytest.mark.parametrize("which", ["sgd_neighbours", "averaging_neighbours"])
+@pytest.mark.parametrize("which", ["sgd_neighbours", "averaging_neighbours",
+                                   "parties_neighbours"])
 def test_released_quantity_is_epsilon_delta_private(which, method, request):
     mu, mu_prime, sample, std, sigma = request.getfixturevalue(which)
     delta = 0.01
@@ -172,7 +217,8 @@ def test_clipping_bounds_every_record():
 @pytest.mark.parametrize("privacy", [
     fedppl.DPOptimisation(clip=1.0, epsilon=2.0, delta=1e-5, rounds=3, sampling_rate=0.3),
     fedppl.DPLocalAveraging(clip=0.5, epsilon=2.0, delta=1e-5, rounds=3, shards=4),
-], ids=["dp-sgd", "local-averaging"])
+    fedppl.DPVirtualParties(clip=2.0, epsilon=2.0, delta=1e-5, rounds=3, parties=4),
+], ids=["dp-sgd", "local-averaging", "virtual-parties"])
 def test_calibrated_budget_is_met_reported_and_enforced(clients, privacy):
     pvi = fedppl.PVI(model, fedppl.PVIGuide(model), "synchronous", privacy=privacy,
                      local_steps=10, num_particles=4)
@@ -183,6 +229,12 @@ def test_calibrated_budget_is_met_reported_and_enforced(clients, privacy):
     assert set(result.privacy["epsilon"]) == set(clients.names)
     q_mean, q_cov = result.mean_and_cov()
     assert np.all(np.isfinite(q_mean)) and np.all(q_cov > 0)  # mean-field variances
+    if isinstance(privacy, fedppl.DPVirtualParties):  # the parties' factors sum to the client's
+        state = pvi.init(jax.random.key(0), clients)
+        state, _ = pvi.update(state)
+        total = jax.tree_util.tree_map(lambda t: t.sum(axis=1), state.clients.parties)
+        for a, b in zip(total, state.clients.factor, strict=True):
+            np.testing.assert_allclose(a, b, rtol=1e-9, atol=1e-9)
     with pytest.raises(ValueError, match="calibrated for 3 rounds"):
         pvi.run(jax.random.key(0), clients, 4, progress_bar=False)
     state = pvi.init(jax.random.key(0), clients)
@@ -267,5 +319,7 @@ def test_unreachable_budget_and_unsupported_runs_fail_early(clients):
         fedppl.PVI(model, fedppl.PVIGuide(model), privacy=dp, line_search=True)
     with pytest.raises(ValueError, match="shards must be"):
         fedppl.DPLocalAveraging(clip=1.0, noise_multiplier=1.0, shards=0)
+    with pytest.raises(ValueError, match="parties must be"):
+        fedppl.DPVirtualParties(clip=1.0, noise_multiplier=1.0, parties=-2)
     with pytest.raises(TypeError, match="privacy must be"):
         fedppl.PVI(model, fedppl.PVIGuide(model), privacy={"epsilon": 1.0})
