@@ -32,9 +32,10 @@ Accounting (:mod:`fedppl.accounting`, ``dp_accounting``): DP-SGD composes ``loca
 rounds subsampled Gaussian mechanisms per client (Poisson subsampling with add/remove-one
 neighbours; fixed-size sampling without replacement with replace-one neighbours); local
 averaging and virtual parties compose one Gaussian mechanism per round. A client counts only
-the rounds it took part in. Give either ``noise_multiplier`` or a target ``epsilon`` with the number of ``rounds``;
-the multiplier is then calibrated for the client whose guarantee is weakest (the smallest, with
-``batch_size``). A run asked for more rounds than ``rounds`` refuses before any client runs.
+the rounds it took part in. Give either ``noise_multiplier`` or a target ``epsilon`` with the
+number of ``rounds``; the multiplier is then calibrated for the client whose guarantee is
+weakest (the smallest, with ``batch_size``). A run asked for more rounds than ``rounds``
+refuses before any client runs.
 
 What a private run gives up: the server's line search (it would score candidate q on the
 clients' data) is off, the ELBO history is not computed, and a message's diagnostics (local
