@@ -17,6 +17,13 @@ the best-scoring kernels with their last layers (without validation data: the la
 ``done`` is set: phase 2 has been reached, the kernels and the last layers are final and later
 rounds change nothing.
 
+Private statistics (``Settings.privacy``, a :class:`fedppl.dp_statistics.Mechanism`): at every
+evaluation each client clips its features and targets and adds Gaussian noise to each kernel's
+statistics with its own round key (kept in :class:`ClientState`), so they leave it noised; the
+server projects every summed scatter matrix onto the PSD cone before forming the last layers
+and records in ``ServerState.repaired`` how many eigenvalues it raised
+(:mod:`fedppl.dp_statistics`). The phase-1 kernels are not privatised.
+
 Example (two clients, two rounds of FedAvg, the last layer at the planned last round)::
 
     >>> import jax, optax, fedppl
@@ -49,6 +56,7 @@ import jax.numpy as jnp
 import optax
 from jax import Array
 
+from fedppl import dp_statistics
 from fedppl.algorithms import exact, fedavg
 from fedppl.algorithms.optimise import minimise
 from fedppl.algorithms.trio import Trio
@@ -57,7 +65,8 @@ from fedppl.models.random_features import URKParams, urk_features
 
 __all__ = ["BNRParams", "Settings", "ServerState", "ClientState", "KernelMessage", "LastLayer",
            "KERNELS", "init_params", "init_server", "init_clients", "make_trio", "neg_log_ml",
-           "client_stats", "last_layers", "predict", "kd_loss", "kd_server_update"]
+           "client_stats", "last_layers", "private_last_layers", "predict", "kd_loss",
+           "kd_server_update"]
 
 KERNELS = ("avg", "kd", "local", "central")
 
@@ -88,6 +97,7 @@ class Settings(NamedTuple):
     kd_steps: int = 50
     eval_every: int = 5
     patience: int = 5
+    privacy: dp_statistics.Mechanism | None = None  # noised statistics (None: exact)
 
     @property
     def shared(self) -> bool:
@@ -120,12 +130,16 @@ class ServerState(NamedTuple):
     omega: Array  # the fixed base draws, shared at set-up
     kd_data: tuple[Array, Array] | None  # the server's own data ("kd")
     validation: tuple[Array, Array] | None  # the server's validation data
+    # eigenvalues raised to zero in this evaluation's summed scatter matrices (private runs)
+    repaired: Array | None = None
 
 
 class ClientState(NamedTuple):
-    """A client's own kernel (``"local"``/``"central"``) or its latest local result (shared)."""
+    """A client's own kernel (``"local"``/``"central"``) or its latest local result (shared),
+    and (private runs) the raw key its noise for this round's statistics comes from."""
 
     params: BNRParams
+    noise_key: Array | None = None
 
 
 class KernelMessage(NamedTuple):
@@ -224,27 +238,57 @@ def init_server(params: BNRParams, omega: Array, num_models: int, *, num_clients
                        _prior_layers(params, num_models, num_clients, 2 * omega.shape[0]),
                        jnp.asarray(jnp.inf, dtype), jnp.asarray(jnp.nan, dtype), zero, zero, zero,
                        jnp.asarray(final_round, int), jnp.asarray(False), jnp.asarray(False),
-                       omega, kd_data, validation)
+                       omega, kd_data, validation, zero)
 
 
-def init_clients(params: BNRParams, num_clients: int) -> ClientState:
-    return ClientState(_stack(_strong(params), num_clients))
+def init_clients(params: BNRParams, num_clients: int, private: bool = False) -> ClientState:
+    """The clients' first states (``private``: with a placeholder noise key each)."""
+    keys = jnp.zeros((num_clients, *_raw_key(jax.random.key(0)).shape), jnp.uint32)
+    return ClientState(_stack(_strong(params), num_clients), keys if private else None)
+
+
+def _raw_key(key: Array) -> Array:
+    """A key as raw ``uint32`` data (the form a client state keeps)."""
+    return jax.random.key_data(key) if jnp.issubdtype(key.dtype, jax.dtypes.prng_key) else key
 
 
 # -- phase 2: last layers, predictions, scores -----------------------------------------------
 
 
-def last_layers(stats: exact.Stats, kernels: BNRParams, shared: bool) -> LastLayer:
-    """Both last layers from ``stats`` of shape ``(K, M, ...)`` (client k under kernel m)."""
+def _layer_stats(stats: exact.Stats, shared: bool) -> tuple[exact.Stats, exact.Stats, Array]:
+    """The statistics behind each last layer: every client's summed under each kernel (M, ...),
+    each client's own under its kernel (K, ...), and which kernel that is (K,)."""
     K = stats.count.shape[0]
     over_clients = jax.tree_util.tree_map(lambda x: jnp.swapaxes(x, 0, 1), stats)
     total = jax.vmap(exact.add_up)(over_clients)  # (M, ...): client 0 first, as on the host
-    glob = jax.vmap(exact.posterior)(total, kernels.noise, kernels.prior_scale)
     which = jnp.zeros(K, int) if shared else jnp.arange(K)
     own = jax.tree_util.tree_map(lambda x: x[jnp.arange(K), which], stats)
+    return total, own, which
+
+
+def _layers(total: exact.Stats, own: exact.Stats, which: Array, kernels: BNRParams
+            ) -> LastLayer:
+    glob = jax.vmap(exact.posterior)(total, kernels.noise, kernels.prior_scale)
     mine = _index(kernels, which)
     local = jax.vmap(exact.posterior)(own, mine.noise, mine.prior_scale)
     return LastLayer(glob, local)
+
+
+def last_layers(stats: exact.Stats, kernels: BNRParams, shared: bool) -> LastLayer:
+    """Both last layers from ``stats`` of shape ``(K, M, ...)`` (client k under kernel m)."""
+    return _layers(*_layer_stats(stats, shared), kernels)
+
+
+def private_last_layers(stats: exact.Stats, kernels: BNRParams, shared: bool
+                        ) -> tuple[LastLayer, Array]:
+    """:func:`last_layers` from noised statistics: every summed scatter matrix (and each
+    client's own) projected onto the PSD cone first (:func:`fedppl.dp_statistics.repair_scatter`),
+    so each precision is at least the prior's; also returns how many eigenvalues were raised."""
+    total, own, which = _layer_stats(stats, shared)
+    S_total, n_total = dp_statistics.repair_scatter(total.scatter)
+    S_own, n_own = dp_statistics.repair_scatter(own.scatter)
+    layer = _layers(total._replace(scatter=S_total), own._replace(scatter=S_own), which, kernels)
+    return layer, (jnp.sum(n_total) + jnp.sum(n_own)).astype(int)
 
 
 def model_kernels(kernels: BNRParams, num_clients: int, shared: bool, last_layer: str
@@ -255,13 +299,23 @@ def model_kernels(kernels: BNRParams, num_clients: int, shared: bool, last_layer
     return _index(kernels, jnp.zeros(num_clients, int) if shared else jnp.arange(num_clients))
 
 
-def predict(kernels: BNRParams, posteriors: g.FullGaussian, omega: Array, X: Array
-            ) -> tuple[Array, Array]:
-    """Predictive means and variances (noise included), ``(models, n)`` each."""
+def predict(kernels: BNRParams, posteriors: g.FullGaussian, omega: Array, X: Array,
+            stat_noise_var: Array | None = None) -> tuple[Array, Array]:
+    """Predictive means and variances (noise included), ``(models, n)`` each;
+    ``stat_noise_var`` (models,): the variance of the privacy noise on each entry of each
+    model's summed statistics, whose effect on the mean the variances then include
+    (:func:`fedppl.dp_statistics.mean_noise_variance`)."""
     def one(p, post):
         return exact.predict(post, urk_features(p.kernel, omega, X), p.noise)
 
-    return jax.vmap(one)(kernels, posteriors)
+    if stat_noise_var is None:
+        return jax.vmap(one)(kernels, posteriors)
+
+    def noisy(p, post, tau2):
+        return dp_statistics.predict_posterior(post.nat1, post.prec,
+                                               urk_features(p.kernel, omega, X), p.noise, tau2)
+
+    return jax.vmap(noisy)(kernels, posteriors, stat_noise_var)
 
 
 def _score(layer: LastLayer, kernels: BNRParams, settings: Settings, last_layer: str,
@@ -282,7 +336,7 @@ def make_trio(settings: Settings, last_layer: str = "global") -> Trio:
     """FedBNR's trio; ``last_layer`` (``"global"`` or ``"local"``) is the one scored on the
     validation data (both are formed at every evaluation)."""
     return Trio(partial(_client_update, settings), partial(_server_update, settings, last_layer),
-                client_evaluate=_client_evaluate)
+                client_evaluate=partial(_client_evaluate, settings.privacy))
 
 
 def _client_update(settings: Settings, server: ServerState, client: ClientState, data: tuple,
@@ -300,15 +354,28 @@ def _client_update(settings: Settings, server: ServerState, client: ClientState,
         return start, jnp.full((), jnp.nan, jnp.result_type(float))
 
     new, log_ml = jax.lax.cond(server.done, rest, train, None)
-    return KernelMessage(new, log_ml), ClientState(new)
+    noise_key = None if settings.privacy is None else _raw_key(jax.random.fold_in(rng_key, 1))
+    return KernelMessage(new, log_ml), ClientState(new, noise_key)
 
 
-def _client_evaluate(candidate: tuple[BNRParams, Array], client: ClientState, data: tuple,
-                     mask: Array) -> exact.Stats:
-    """The evaluation exchange: this client's statistics under each candidate kernel."""
+def _client_evaluate(privacy: dp_statistics.Mechanism | None, candidate: tuple[BNRParams, Array],
+                     client: ClientState, data: tuple, mask: Array) -> exact.Stats:
+    """The evaluation exchange: this client's statistics under each candidate kernel (noised
+    with the client's own key when ``privacy`` is set)."""
     kernels, omega = candidate
     X, y = data
-    return jax.vmap(lambda p: client_stats(p.kernel, omega, X, y, mask))(kernels)
+    if privacy is None:
+        return jax.vmap(lambda p: client_stats(p.kernel, omega, X, y, mask))(kernels)
+    if client.noise_key is None:
+        raise ValueError("private statistics need the clients' noise keys: "
+                         "init_clients(..., private=True)")
+    keys = jax.random.split(client.noise_key, kernels.log_noise.shape[0])
+
+    def one(p, key):
+        return dp_statistics.private_stats(urk_features(p.kernel, omega, X), y, mask, privacy,
+                                           key)
+
+    return jax.vmap(one)(kernels, keys)
 
 
 def _aggregate(settings: Settings, server: ServerState, params: BNRParams, received: Array
@@ -341,14 +408,17 @@ def _server_update(settings: Settings, last_layer: str, server: ServerState,
 
     def assess():
         stats = evaluate((kernels, server.omega))
-        layer = last_layers(stats, kernels, settings.shared)
+        if settings.privacy is None:
+            layer, repaired = last_layers(stats, kernels, settings.shared), jnp.asarray(0, int)
+        else:
+            layer, repaired = private_last_layers(stats, kernels, settings.shared)
         score = _score(layer, kernels, settings, last_layer, server.omega, server.validation)
         usable = exact.all_finite(stats)
-        return layer, jnp.where(usable, score, jnp.inf), usable
+        return layer, jnp.where(usable, score, jnp.inf), usable, repaired
 
-    layer, score, usable = jax.lax.cond(
+    layer, score, usable, repaired = jax.lax.cond(
         now, assess, lambda: (server.last_layer, jnp.asarray(jnp.nan, server.score.dtype),
-                              jnp.asarray(False)))
+                              jnp.asarray(False), jnp.asarray(0, int)))
     better = now & usable & ((server.validation is None) | (score < server.best_score))
     stale = jnp.where(now, jnp.where(better, 0, server.stale + 1), server.stale)
     stop = now & ((stale >= settings.patience) | (rnd == server.final_round))
@@ -358,5 +428,5 @@ def _server_update(settings: Settings, last_layer: str, server: ServerState,
         best_score=jnp.where(better, score, server.best_score),
         score=jnp.where(now, score, jnp.nan), stale=stale,
         best_round=jnp.where(better, rnd, server.best_round), round=rnd, evaluated=now,
-        done=server.done | stop)
+        done=server.done | stop, repaired=repaired)
     return new, ok

@@ -16,6 +16,14 @@ The server's state has a ``phase``:
   sparse GP posterior with the factor ``B = sum_k A_k / sigma^2``, ``b = sum_k b_k / sigma^2``
   (:func:`predict`). ``y_k^T y_k`` is not needed and not sent.
 
+Private statistics (``privacy``, a :class:`fedppl.dp_statistics.Mechanism`, in
+:func:`make_trio`): in the aggregation round each client clips its rows ``k(x_n, Z)`` and
+targets and adds Gaussian noise with its own key, so the statistics leave it noised; the server
+then accepts every finite, symmetric message (a noised ``A_k`` need not be PSD, nor ``N_k``
+positive), projects the sum onto the PSD cone and records in ``ServerState.repaired`` how many
+eigenvalues it raised (:mod:`fedppl.dp_statistics`). :func:`predict`'s ``stat_noise_var`` widens
+the variance by the noise's effect on the mean. The FedAvg rounds are not privatised.
+
 Example (what :class:`fedppl.FSGP` runs: a FedAvg round, then the aggregation round)::
 
     >>> import jax, jax.numpy as jnp, optax
@@ -38,9 +46,11 @@ from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
+import jax.scipy.linalg as jsl
 import optax
 from jax import Array
 
+from fedppl import dp_statistics
 from fedppl.algorithms import exact, fedavg
 from fedppl.algorithms.optimise import minimise
 from fedppl.algorithms.trio import Trio
@@ -49,7 +59,8 @@ from fedppl.models.kernels import SEParams
 
 __all__ = ["FSGPParams", "ServerState", "Message", "TRAIN", "AGGREGATE", "DEFAULT_JITTER",
            "init_params", "kuu", "bound", "client_loss", "client_stats", "plausible", "init",
-           "client_update", "server_update", "make_trio", "predict", "inducing_posterior"]
+           "client_update", "server_update", "make_trio", "predict", "inducing_posterior",
+           "private_client_stats"]
 
 DEFAULT_JITTER = 1e-6  # absolute jitter on C_MM (FSGP's convention; the HVM's is relative)
 TRAIN, AGGREGATE = 0, 1
@@ -70,6 +81,7 @@ class ServerState(NamedTuple):
     stats: exact.Stats
     phase: Array
     round: Array
+    repaired: Array | None = None  # eigenvalues raised to make the noised sum PSD (private)
 
 
 class Message(NamedTuple):
@@ -119,6 +131,24 @@ def client_stats(params: FSGPParams, X: Array, y: Array, mask: Array | None = No
     return exact.client_stats(Kfu, y, mask.astype(Kfu.dtype))
 
 
+def private_client_stats(params: FSGPParams, X: Array, y: Array, mask: Array | None,
+                         privacy: dp_statistics.Mechanism, key: Array) -> exact.Stats:
+    """:func:`client_stats` released privately: rows of ``k(X, Z)`` and targets clipped, noise
+    added (:func:`fedppl.dp_statistics.private_stats`)."""
+    X, y, mask = sparse_gp.masked(X, y, mask)
+    Kfu = jnp.where(mask[:, None], params.hyper.kernel(X, params.inducing), 0.0)
+    return dp_statistics.private_stats(Kfu, y, mask.astype(Kfu.dtype), privacy, key)
+
+
+def _symmetric_finite(stats: exact.Stats) -> Array:
+    """What a server can check of a noised message: finite, ``A_k`` symmetric."""
+    A = stats.scatter
+    finite = jnp.all(jnp.isfinite(A)) & jnp.all(jnp.isfinite(stats.proj)) & jnp.isfinite(
+        stats.count)
+    A = jnp.where(finite, A, 0.0)
+    return finite & jnp.all(jnp.abs(A - A.T) <= 1e-8 * (1.0 + jnp.max(jnp.abs(A))))
+
+
 def plausible(stats: exact.Stats) -> Array:
     """Whether one client's statistics can be added: finite, a non-negative count, ``A_k``
     symmetric (to 1e-8) and positive semi-definite (smallest eigenvalue above ``-1e-8 M``
@@ -142,14 +172,16 @@ def init(params: FSGPParams) -> ServerState:
     """The server's state before the first FedAvg round."""
     M, dtype = params.inducing.shape[0], params.inducing.dtype
     return ServerState(params, _no_stats(M, jnp.asarray(0.0, dtype), dtype), jnp.asarray(TRAIN),
-                       jnp.asarray(0))
+                       jnp.asarray(0), jnp.asarray(0, int))
 
 
 def client_update(state: ServerState, data: tuple[Array, Array], mask: Array, key: Array,
                   optimizer: optax.GradientTransformation, steps: int,
-                  jitter: float = DEFAULT_JITTER) -> Message:
+                  jitter: float = DEFAULT_JITTER,
+                  privacy: dp_statistics.Mechanism | None = None) -> Message:
     """Client ``k``'s work in the server's phase: ``steps`` optimiser steps from the server's
-    parameters (TRAIN), or its statistics at them (AGGREGATE)."""
+    parameters (TRAIN), or its statistics at them (AGGREGATE; noised with ``key`` when
+    ``privacy`` is set)."""
     X, y = data
     params = state.params
     M, dtype = params.inducing.shape[0], params.inducing.dtype
@@ -162,45 +194,57 @@ def client_update(state: ServerState, data: tuple[Array, Array], mask: Array, ke
 
     def statistics(_: None) -> Message:
         zero = jax.tree_util.tree_map(jnp.zeros_like, params)
-        return Message(zero, client_stats(params, X, y, mask))
+        if privacy is None:
+            return Message(zero, client_stats(params, X, y, mask))
+        return Message(zero, private_client_stats(params, X, y, mask, privacy,
+                                                  jax.random.fold_in(key, 1)))
 
     return jax.lax.cond(state.phase == TRAIN, train, statistics, None)
 
 
-def server_update(state: ServerState, msgs: Message, received: Array
+def server_update(state: ServerState, msgs: Message, received: Array, private: bool = False
                   ) -> tuple[ServerState, Array]:
     """FedAvg of the received finite parameters (weights ``N_k``), or the sum of the received
-    plausible statistics (:func:`plausible`); returns which clients were accepted."""
+    plausible statistics (:func:`plausible`); returns which clients were accepted. ``private``:
+    the statistics are noised, so any finite, symmetric ones are added and the sum is projected
+    onto the PSD cone (:func:`fedppl.dp_statistics.repair_scatter`)."""
 
     def average(_: None) -> tuple[ServerState, Array]:
         fa, ok = fedavg.server_update(fedavg.FedAvgState(state.params, state.round),
                                       msgs.params, weights=msgs.stats.count, received=received)
-        return state._replace(params=fa.params, round=fa.round), ok
+        return state._replace(params=fa.params, round=fa.round,
+                              repaired=jnp.asarray(0, int)), ok
 
     def add(_: None) -> tuple[ServerState, Array]:
-        ok = received & jax.vmap(plausible)(msgs.stats)
+        ok = received & jax.vmap(_symmetric_finite if private else plausible)(msgs.stats)
 
         def total(x: Array) -> Array:
             return jnp.sum(jnp.where(ok.reshape(ok.shape + (1,) * (x.ndim - 1)), x, 0.0), 0)
 
         stats = exact.Stats(*(total(x) for x in msgs.stats))
-        return state._replace(stats=stats, round=state.round + 1), ok
+        repaired = jnp.asarray(0, int)
+        if private:
+            scatter, repaired = dp_statistics.repair_scatter(stats.scatter)
+            stats, repaired = stats._replace(scatter=scatter), repaired.astype(int)
+        return state._replace(stats=stats, round=state.round + 1, repaired=repaired), ok
 
     return jax.lax.cond(state.phase == TRAIN, average, add, None)
 
 
 def make_trio(optimizer: optax.GradientTransformation, steps: int,
-              jitter: float = DEFAULT_JITTER) -> Trio:
+              jitter: float = DEFAULT_JITTER,
+              privacy: dp_statistics.Mechanism | None = None) -> Trio:
     """FSGP's trio for :func:`fedppl.runtime.make_round` (clients keep no state; replies:
-    accepted flags)."""
+    accepted flags); ``privacy``: noise the aggregation round's statistics."""
 
     def client(server: ServerState, cstate: Any, data: tuple, mask: Array, key: Array,
                index: Array) -> tuple[Message, Any]:
-        return client_update(server, data, mask, key, optimizer, steps, jitter), cstate
+        return client_update(server, data, mask, key, optimizer, steps, jitter,
+                             privacy), cstate
 
     def server(state: ServerState, msgs: Message, index: Array, received: Array, key: Array,
                evaluate: Any) -> tuple[ServerState, Array]:
-        return server_update(state, msgs, received)
+        return server_update(state, msgs, received, privacy is not None)
 
     return Trio(client, server)
 
@@ -214,13 +258,22 @@ def _posterior(params: FSGPParams, stats: exact.Stats, jitter: float) -> sparse_
     return sparse_gp.posterior_from_B(kuu(params, jitter), stats.scatter / s2, stats.proj / s2)
 
 
-def predict(params: FSGPParams, stats: exact.Stats, X: Array, jitter: float = DEFAULT_JITTER
-            ) -> tuple[Array, Array]:
-    """DTC/SGPR predictive mean and variance of ``y`` (noise included) from summed statistics."""
+def predict(params: FSGPParams, stats: exact.Stats, X: Array, jitter: float = DEFAULT_JITTER,
+            stat_noise_var: Array | float | None = None) -> tuple[Array, Array]:
+    """DTC/SGPR predictive mean and variance of ``y`` (noise included) from summed statistics.
+
+    ``stat_noise_var``: the variance of the privacy noise on each entry of the summed statistics;
+    the variance then adds the noise's effect on the mean ``k(x*, Z) v``, ``v = A^-1 b / s^2``,
+    ``A = C_MM + S / s^2`` (:func:`fedppl.dp_statistics.mean_noise_variance`)."""
     hyper = params.hyper
-    mean, var = sparse_gp.predict_f(_posterior(params, stats, jitter),
-                                    hyper.kernel(X, params.inducing),
-                                    jnp.full(X.shape[0], hyper.variance))
+    post = _posterior(params, stats, jitter)
+    Kxz = hyper.kernel(X, params.inducing)
+    mean, var = sparse_gp.predict_f(post, Kxz, jnp.full(X.shape[0], hyper.variance))
+    if stat_noise_var is not None:
+        chol = post.L @ post.C  # A = L (I + L^-1 B L^-T) L^T = (L C)(L C)^T
+        v = jsl.cho_solve((chol, True), stats.proj / hyper.noise_var)
+        var = var + dp_statistics.mean_noise_variance(chol, v, Kxz, stat_noise_var,
+                                                      hyper.noise_var)
     return mean, var + hyper.noise_var
 
 

@@ -21,6 +21,15 @@ layer by RMSE, keeps the best kernels and stops after ``patience`` evaluations w
 improvement. Without validation data the run takes all ``num_rounds`` rounds and keeps the last
 kernels, with their last layer formed at the last round.
 
+Private statistics: ``privacy=PrivateStatistics(...)`` (:mod:`fedppl.dp_statistics`) noises every
+client's statistics at every evaluation (clipped features and targets, Gaussian noise added on the
+client); ``epsilon`` is calibrated for the evaluations the run plans (``num_rounds // eval_every``
+plus the last round, times the kernels each client evaluates: 1 shared, K per client). The result's
+``privacy`` holds each client's spent ``epsilon`` and the worst, ``history["epsilon"]`` the running
+total and ``history["repaired"]`` the eigenvalues the server raised to make the summed scatter
+PSD; ``predict`` widens the variances by the noise's effect on the mean. The phase-1 kernels and
+log marginal likelihoods are sent in the clear: only the statistics are protected.
+
 Example::
 
     >>> import jax, numpy as np, fedppl
@@ -51,6 +60,7 @@ from jax import Array
 
 from fedppl.algorithms import fedbnr as alg
 from fedppl.clients import Clients
+from fedppl.dp_statistics import PrivateStatistics
 from fedppl.families import gaussian as g
 from fedppl.infer.base import FederatedMethod, Result, RunState, check_rounds, num_bytes
 from fedppl.models.random_features import URKSpec, base_draws, check_spec, init_urk
@@ -85,6 +95,7 @@ class FedBNRResult(Result):
     omega: Array
     best_round: int | None = None
     rounds_to_convergence: int | None = None
+    privacy: dict[str, Any] | None = None  # private runs: the spent epsilon (module doc)
 
     def models(self, last_layer: str | None = None) -> tuple[alg.BNRParams, g.FullGaussian]:
         """The kernel and last-layer posterior of each model, stacked on axis 0."""
@@ -98,12 +109,20 @@ class FedBNRResult(Result):
     def num_models(self) -> int:
         return int(self.models()[1].nat1.shape[0])
 
-    def predict(self, X: Any, last_layer: str | None = None) -> tuple[Array, Array]:
+    def predict(self, X: Any, last_layer: str | None = None, noise_aware: bool = True
+                ) -> tuple[Array, Array]:
         """Predictive means and variances (noise included) at ``X (n, input_dim)``, each of shape
-        ``(models, n)``; ``last_layer`` overrides the method's choice."""
+        ``(models, n)``; ``last_layer`` overrides the method's choice. In a private run the
+        variances include the privacy noise's effect on the mean unless ``noise_aware=False``
+        (:func:`fedppl.dp_statistics.mean_noise_variance`)."""
         X = _check_inputs(X, self.spec.input_dim, "X")
-        kernels, post = self.models(last_layer)
-        return _predict(kernels, post, self.omega, jnp.asarray(X))
+        which = _choice(self.last_layer if last_layer is None else last_layer, LAST_LAYERS,
+                        "last_layer")
+        kernels, post = self.models(which)
+        if self.privacy is None or not noise_aware:
+            return _predict(kernels, post, self.omega, jnp.asarray(X))
+        tau2 = jnp.full(post.nat1.shape[0], self.privacy["stat_noise_var"][which])
+        return _predict_noisy(kernels, post, self.omega, jnp.asarray(X), tau2)
 
     def summary(self) -> dict[str, Any]:
         out = super().summary()
@@ -112,6 +131,8 @@ class FedBNRResult(Result):
         out.update(kernel=self.kernel, last_layer=self.last_layer, best_round=self.best_round,
                    rounds_to_convergence=self.rounds_to_convergence,
                    best_val_rmse=float(scores.min()) if scores.size else None)
+        if self.privacy is not None:
+            out["epsilon"] = self.privacy["worst_epsilon"]
         return out
 
     def to_arviz(self, rng_key: Array | None = None, num_samples: int = 1000,
@@ -141,6 +162,11 @@ def _predict(kernels, posteriors, omega, X):
     return alg.predict(kernels, posteriors, omega, X)
 
 
+@jax.jit
+def _predict_noisy(kernels, posteriors, omega, X, stat_noise_var):
+    return alg.predict(kernels, posteriors, omega, X, stat_noise_var)
+
+
 class FedBNR(FederatedMethod):
     """Two-phase federated Bayesian neural regression (standardised inputs and targets).
 
@@ -157,6 +183,8 @@ class FedBNR(FederatedMethod):
     :param noise, prior_scale: initial sigma and lambda (positive, standardised units).
     :param schedule: ``"synchronous"`` (clients vmapped) or ``"loop"`` (a Python loop over the
         clients); FedAvg has no sequential form.
+    :param privacy: a :class:`~fedppl.dp_statistics.PrivateStatistics`: noise the statistics
+        (see the module doc), or ``None``.
     """
 
     name = "FedBNR"
@@ -165,7 +193,7 @@ class FedBNR(FederatedMethod):
                  optimizer: optax.GradientTransformation | None = None, local_steps: int = 50,
                  kd_alpha: float = 5.0, kd_steps: int = 50, eval_every: int = 5,
                  patience: int = 5, noise: float = 0.3, prior_scale: float = 1.0,
-                 schedule: str = "synchronous"):
+                 schedule: str = "synchronous", privacy: PrivateStatistics | None = None):
         self.spec = check_spec(spec)
         self.kernel = _choice(kernel, KERNELS, "kernel")
         self.last_layer = _choice(last_layer, LAST_LAYERS, "last_layer")
@@ -181,9 +209,14 @@ class FedBNR(FederatedMethod):
         self.kd_alpha = _number(kd_alpha, "kd_alpha", positive=False)
         self.noise = _number(noise, "noise")
         self.prior_scale = _number(prior_scale, "prior_scale")
-        settings = alg.Settings(kernel, self.optimizer, self.local_steps, self.kd_alpha,
-                                self.kd_steps, self.eval_every, self.patience)
-        self._trio = alg.make_trio(settings, self.last_layer)
+        if privacy is not None and not isinstance(privacy, PrivateStatistics):
+            raise TypeError(f"privacy must be a fedppl.dp_statistics.PrivateStatistics or None, "
+                            f"got {type(privacy).__name__}")
+        self.privacy = privacy
+        self._settings = alg.Settings(kernel, self.optimizer, self.local_steps, self.kd_alpha,
+                                      self.kd_steps, self.eval_every, self.patience)
+        self._trio = self._plain_trio = alg.make_trio(self._settings, self.last_layer)
+        self._private_trios: dict[Any, Any] = {}
 
     @property
     def shared(self) -> bool:
@@ -200,7 +233,7 @@ class FedBNR(FederatedMethod):
         server = alg.init_server(params, omega, 1 if self.shared else K, num_clients=K,
                                  final_round=final_round, kd_data=kd_data,
                                  validation=validation)
-        cstates = alg.init_clients(params, K)
+        cstates = alg.init_clients(params, K, private=self.privacy is not None)
         stats = jax.eval_shape(self._trio.client_evaluate, (server.kernels, omega),
                                _first(cstates), _first(clients.stacked), clients.mask[0])
         self._stats_bytes = sum(math.prod(s.shape) * s.dtype.itemsize
@@ -231,7 +264,18 @@ class FedBNR(FederatedMethod):
                 "bytes_down": n * (self._broadcast_bytes(before.server)
                                    + evaluated * num_bytes(srv.kernels)),
                 "elbo": float(log_ml.sum()) if n else np.nan, "val_rmse": float(srv.score),
-                "evaluated": evaluated, "phase": 2 if bool(srv.done) else 1}
+                "evaluated": evaluated, "phase": 2 if bool(srv.done) else 1,
+                **self._privacy_record(srv, evaluated)}
+
+    def _privacy_record(self, srv: alg.ServerState, evaluated: bool) -> dict[str, Any]:
+        """Private runs: the epsilon each client has spent so far and this round's repairs."""
+        if self.privacy is None:
+            return {}
+        self._evaluations += evaluated
+        releases = self._evaluations * self._per_evaluation
+        if releases not in self._spent:
+            self._spent[releases] = self.privacy.spent(self._sigma, releases)
+        return {"epsilon": self._spent[releases], "repaired": int(srv.repaired)}
 
     def _result(self, state: RunState, history: dict[str, np.ndarray],
                 rejected: list[tuple[int, str, str]]) -> FedBNRResult:
@@ -245,7 +289,40 @@ class FedBNR(FederatedMethod):
                             spec=self.spec, kernel=self.kernel, last_layer=self.last_layer,
                             kernels=srv.best, layers=srv.last_layer, omega=srv.omega,
                             best_round=best or None,
-                            rounds_to_convergence=int(srv.round) if stopped else None)
+                            rounds_to_convergence=int(srv.round) if stopped else None,
+                            privacy=self._privacy_result(history))
+
+    def _privacy_result(self, history: dict[str, np.ndarray]) -> dict[str, Any] | None:
+        if self.privacy is None:
+            return None
+        K = len(self._names)
+        out = self.privacy.report(self._sigma,
+                                  np.full(K, self._evaluations * self._per_evaluation))
+        std2 = out["noise_std"] ** 2
+        # each entry of a global layer's sums carries K clients' noise, a local layer's one
+        out["stat_noise_var"] = {"global": K * std2, "local": std2}
+        out["repaired"] = int(np.sum(history["repaired"]))
+        return out
+
+    def _setup_privacy(self, num_clients: int, final_round: int) -> None:
+        """The noise multiplier for the planned releases, and the trio that adds the noise."""
+        self._trio = self._plain_trio
+        if self.privacy is None:
+            return
+        self._per_evaluation = 1 if self.shared else num_clients
+        if self.privacy.epsilon is not None and final_round == 0:
+            raise ValueError("privacy with a target epsilon calibrates the noise for the planned "
+                             "evaluations: pass num_rounds to init (run does), or give "
+                             "noise_multiplier instead")
+        e = self.eval_every
+        planned = final_round // e + (final_round % e != 0)
+        self._sigma = self.privacy.noise_multiplier_for(planned * self._per_evaluation)
+        mechanism = self.privacy.mechanism(self._sigma)
+        if mechanism not in self._private_trios:
+            self._private_trios[mechanism] = alg.make_trio(
+                self._settings._replace(privacy=mechanism), self.last_layer)
+        self._trio = self._private_trios[mechanism]
+        self._evaluations, self._spent = 0, {}
 
     # -- running -------------------------------------------------------------------------------
 
@@ -267,6 +344,7 @@ class FedBNR(FederatedMethod):
         kd_data = _check_server_data(kd_data, self.spec.input_dim, "kd_data")
         k_omega, k_init, k_run = jax.random.split(rng_key, 3)
         run_clients = clients.pooled() if self.kernel == "central" else clients
+        self._setup_privacy(run_clients.num_clients, final)
         state = super().init(rng_key, run_clients, keys=(k_omega, k_init), final_round=final,
                              kd_data=kd_data, validation=validation)
         return state._replace(rng_key=k_run)

@@ -10,6 +10,12 @@ the server predicts from the sums (Eqs. 14-15 of the paper). Both phases are
 
 Inputs and targets are expected standardised (``fedppl.datasets.Standardiser``).
 
+Private statistics: ``privacy=PrivateStatistics(...)`` (:mod:`fedppl.dp_statistics`) noises the
+aggregation round's statistics on each client (one release per client; rows ``k(x_n, Z)`` and
+targets clipped first). The result's ``privacy`` holds each client's ``epsilon``, the worst, and
+``repaired`` (eigenvalues the server raised to make the sum PSD); ``predict`` widens the variance
+by the noise's effect on the mean. The FedAvg rounds' parameters and counts are not protected.
+
 Example::
 
     >>> import jax, numpy as np, optax, fedppl
@@ -40,6 +46,7 @@ from fedppl import validation as check
 from fedppl.algorithms import exact
 from fedppl.algorithms import fsgp as alg
 from fedppl.clients import Clients
+from fedppl.dp_statistics import PrivateStatistics
 from fedppl.infer import _gp_checks as chk
 from fedppl.infer.base import FederatedMethod, Result, RunState, num_bytes
 
@@ -62,6 +69,9 @@ class FSGPConfig(NamedTuple):
       leave the clients before training.
 
     ``jitter``: added to ``C_MM``'s diagonal (absolute).
+
+    ``privacy``: a :class:`~fedppl.dp_statistics.PrivateStatistics` to release the statistics
+    privately, or ``None``.
     """
 
     num_inducing: int = 100
@@ -72,6 +82,7 @@ class FSGPConfig(NamedTuple):
     init_noise: float = 0.1
     init_inducing: str = "client-data"
     jitter: float = alg.DEFAULT_JITTER
+    privacy: PrivateStatistics | None = None
 
 
 @dataclass(kw_only=True)
@@ -88,11 +99,17 @@ class FSGPResult(Result):
     stats: exact.Stats
     jitter: float = alg.DEFAULT_JITTER
     aggregation: dict[str, Any] = field(default_factory=dict)
+    privacy: dict[str, Any] | None = None  # private runs: the spent epsilon (module doc)
 
-    def predict(self, X: Any) -> tuple[Array, Array]:
-        """Predictive mean and variance of ``y`` (observation noise included) at ``X (n, D)``."""
+    def predict(self, X: Any, noise_aware: bool = True) -> tuple[Array, Array]:
+        """Predictive mean and variance of ``y`` (observation noise included) at ``X (n, D)``;
+        in a private run the variance includes the privacy noise's effect on the mean unless
+        ``noise_aware=False``."""
         X = chk.check_inputs(X, self.params.inducing.shape[1])
-        return _predict(self.params, self.stats, jnp.asarray(X), self.jitter)
+        if self.privacy is None or not noise_aware:
+            return _predict(self.params, self.stats, jnp.asarray(X), self.jitter)
+        return _predict(self.params, self.stats, jnp.asarray(X), self.jitter,
+                        self.privacy["stat_noise_var"])
 
     def _original(self, X: Any, y: Any, y_mean: float, y_std: float):
         mean, var = self.predict(X)
@@ -117,6 +134,8 @@ class FSGPResult(Result):
         out = super().summary()
         for key in ("messages_up", "bytes_up"):
             out[key] += int(self.aggregation.get(key, 0))
+        if self.privacy is not None:
+            out["epsilon"] = self.privacy["worst_epsilon"]
         return {**out, "bound": float(self.history["bound"][-1]),
                 "rounds_to_convergence": self.rounds_to_convergence()}
 
@@ -184,7 +203,11 @@ class FSGP(FederatedMethod):
         D = clients.data[0][0].shape[1]
         params = alg.init_params(_init_inducing(clients, cfg, D, z_key), cfg.init_lengthscale,
                                  cfg.init_variance, cfg.init_noise)
-        spec = (int(cfg.local_steps), float(cfg.jitter))
+        mechanism = None
+        if cfg.privacy is not None:  # one release per client, in the aggregation round
+            self._sigma = cfg.privacy.noise_multiplier_for(1)
+            mechanism = cfg.privacy.mechanism(self._sigma)
+        spec = (int(cfg.local_steps), float(cfg.jitter), mechanism)
         if spec not in self._trios:
             self._trios[spec] = alg.make_trio(cfg.optimizer, *spec)
         self._phase = alg.TRAIN
@@ -241,7 +264,18 @@ class FSGP(FederatedMethod):
         return FSGPResult(params=state.server.params, stats=state.server.stats,
                           jitter=float(self.config.jitter), history=history,
                           client_names=self._names, rejected=rejected,
-                          aggregation={k: info[k] for k in keep})
+                          aggregation={k: info[k] for k in keep},
+                          privacy=self._privacy_result(state, info))
+
+    def _privacy_result(self, state: RunState, info: dict[str, Any]) -> dict[str, Any] | None:
+        privacy = self.config.privacy
+        if privacy is None:
+            return None
+        out = privacy.report(self._sigma, np.ones(len(self._names), int))
+        # the sum carries the noise of every client whose statistics the server added
+        out["stat_noise_var"] = (len(self._names) - len(info["refused"])) * out["noise_std"]**2
+        out["repaired"] = int(state.server.repaired)
+        return out
 
 
 def _checked(cfg: FSGPConfig) -> FSGPConfig:
@@ -252,6 +286,9 @@ def _checked(cfg: FSGPConfig) -> FSGPConfig:
         check.positive(getattr(cfg, name), name)
     check.positive(cfg.jitter, "jitter", allow_zero=True)
     check.one_of(cfg.init_inducing, INIT_INDUCING, "init_inducing")
+    if cfg.privacy is not None and not isinstance(cfg.privacy, PrivateStatistics):
+        raise TypeError(f"privacy must be a fedppl.dp_statistics.PrivateStatistics or None, got "
+                        f"{type(cfg.privacy).__name__}")
     return cfg
 
 
