@@ -19,6 +19,7 @@ Example::
 from fedppl import datasets, families, handlers, metrics, partition
 from fedppl.algorithms.dp_pvi import DPLocalAveraging, DPOptimisation, DPVirtualParties
 from fedppl.clients import Clients
+from fedppl.dp_statistics import PrivateStatistics
 from fedppl.guides import PVIGuide
 from fedppl.infer import (
     FSGP,
@@ -43,5 +44,5 @@ __version__ = "0.1.0"
 __all__ = ["PVI", "GlobalVI", "PVIResult", "PVIGuide", "FederatedSGP", "SGPConfig",
            "SGPResult", "FSGP", "FSGPConfig", "FSGPResult", "FedBNR", "FedBNRResult", "PFedMul",
            "PFedMulResult", "CoTraining", "CoTrainingResult", "DPOptimisation",
-           "DPLocalAveraging", "DPVirtualParties", "Clients", "partition", "handlers",
-           "families", "metrics", "datasets", "__version__"]
+           "DPLocalAveraging", "DPVirtualParties", "PrivateStatistics", "Clients", "partition",
+           "handlers", "families", "metrics", "datasets", "__version__"]
