@@ -1,0 +1,88 @@
+"""What PVI's front tells the user after each round: refused and shrunk updates, repaired
+cavities, unconverged local steps and (once) a collapse of q's uncertainty, each naming the
+clients; the refusals are kept for the result."""
+
+from __future__ import annotations
+
+import warnings
+
+import numpy as np
+
+from fedppl.algorithms import pvi
+from fedppl.families import gaussian as g
+
+__all__ = ["RoundLog"]
+
+
+class RoundLog:
+    """Turns each round's server outcome into warnings and records, naming the clients: rejected
+    or shrunk updates, repaired cavities, local steps that did not converge, and (once) a round in
+    which q's uncertainty collapsed."""
+
+    def __init__(self, names: tuple[str, ...], shrink_factor: float):
+        self.names = names
+        self.shrink_factor = shrink_factor
+        self.rejected: list[tuple[int, str, str]] = []
+        self.unconverged: list[tuple[int, str]] = []
+        self.shrink_warned = False
+
+    def _list(self, idx) -> str:
+        return ", ".join(self.names[k] for k in idx)
+
+    def report(self, r: int, steps: np.ndarray, msgs, active: np.ndarray, q_old: g.Gaussian,
+               q_new: g.Gaussian) -> None:
+        for code, reason in pvi.REFUSALS.items():
+            bad = np.nonzero(active & (steps == code))[0]
+            for k in bad:
+                self.rejected.append((r + 1, self.names[k], reason))
+            if len(bad):
+                _warn(f"round {r + 1}: refused the updates of {self._list(bad)} ({reason}); "
+                      "their factors are unchanged")
+        shrunk = np.nonzero((steps > 0) & (steps < 1))[0]
+        if len(shrunk):
+            _warn(f"round {r + 1}: updates of {self._list(shrunk)} applied with step "
+                  f"{steps[shrunk].min():.3g} to keep q positive definite (and, with the line "
+                  "search, the global ELBO from dropping)")
+        fixed = np.nonzero(active & np.asarray(msgs.cavity_repaired))[0]
+        if len(fixed):
+            _warn(f"round {r + 1}: cavities of {self._list(fixed)} were not positive definite and "
+                  "were repaired (eigenvalues clipped)")
+        slow = np.nonzero(active & ~np.asarray(msgs.converged, bool))[0]
+        for k in slow:
+            self.unconverged.append((r + 1, self.names[k]))
+        if len(slow):
+            iters = np.asarray(msgs.iterations)[slow]
+            _warn(f"round {r + 1}: the local steps of {self._list(slow)} did not converge (after "
+                  f"{int(iters.max())} iterations); their updates were applied as they are")
+        if r > 0 and not self.shrink_warned:
+            self._check_shrink(r, q_old, q_new, msgs, steps)
+
+    def _check_shrink(self, r, q_old, q_new, msgs, steps) -> None:
+        sd_old, sd_new = _marginal_sds(q_old), _marginal_sds(q_new)
+        ratio = sd_new / sd_old
+        worst, geo = float(np.min(ratio)), float(np.exp(np.mean(np.log(ratio))))
+        if worst >= 1 / self.shrink_factor and geo >= 1 / self.shrink_factor:
+            return
+        self.shrink_warned = True
+        # each client's own pull: the largest relative rise its delta gives a diagonal precision
+        prec_old = np.asarray(q_old.prec)
+        dprec = np.asarray(msgs.delta.prec)
+        if dprec.ndim == 3:
+            prec_old, dprec = np.diagonal(prec_old), np.diagonal(dprec, axis1=1, axis2=2)
+        pull = np.max(np.maximum(np.asarray(steps), 0.0)[:, None] * dprec / prec_old, axis=1)
+        top = np.argsort(-pull)[:5]
+        top = top[pull[top] > 0]
+        _warn(f"round {r + 1}: q's uncertainty collapsed (a marginal sd fell to {worst:.3g} of "
+              f"its value, the geometric mean of the sds to {geo:.3g}); the updates that shrink "
+              f"it most are from {self._list(top) or 'no single client'}. This is the first such "
+              "round; later ones are not reported")
+
+
+def _marginal_sds(q: g.Gaussian) -> np.ndarray:
+    _, cov = g.to_moments(q)
+    var = np.asarray(cov) if cov.ndim == 1 else np.diagonal(np.asarray(cov))
+    return np.sqrt(var)
+
+
+def _warn(message: str) -> None:
+    warnings.warn(message, RuntimeWarning, stacklevel=4)
