@@ -30,7 +30,7 @@ test: $(STAMP)
 	$(BIN)/ruff check fedppl fedppl_experiments tests benchmarks tutorials examples
 	$(BIN)/mypy
 	OPENBLAS_NUM_THREADS=1 XLA_FLAGS="$(TEST_XLA_FLAGS)" $(BIN)/python -m pytest \
-		-n $(TEST_JOBS) --dist loadfile
+		-n $(TEST_JOBS) --dist loadfile --no-loadscope-reorder
 
 bench: $(STAMP)
 	$(BIN)/python benchmarks/pvi_rounds.py
