@@ -89,6 +89,11 @@ __all__ = ["DPOptimisation", "DPLocalAveraging", "DPVirtualParties", "DPSGD",
 # -- the settings a user gives ----------------------------------------------------------------
 
 
+def _positive_int(value: Any, name: str) -> None:
+    if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value <= 0:
+        raise ValueError(f"{name} must be a positive integer, got {value!r}")
+
+
 @dataclass(frozen=True)
 class _Privacy:
     """What both variants share: clipping, the noise or the target, and the accounting."""
@@ -124,15 +129,18 @@ class _Privacy:
                                  "noise_multiplier * clip")
         if self.epsilon is not None and math.isinf(clip) and math.isfinite(self.epsilon):
             raise ValueError("a finite epsilon needs a finite clip")
-        if self.rounds is not None and not (isinstance(self.rounds, int) and self.rounds > 0):
-            raise ValueError(f"rounds must be a positive integer, got {self.rounds!r}")
+        if self.rounds is not None:
+            _positive_int(self.rounds, "rounds")
         if self.accounting not in accounting.METHODS:
             raise ValueError(f"accounting must be one of {accounting.METHODS}, got "
                              f"{self.accounting!r}")
 
-    # a subclass says what one round costs one client
     def round_event(self, sigma: float, size: int, steps: int) -> dp_accounting.DpEvent:
-        raise NotImplementedError
+        """What one round costs one client holding ``size`` records: here one Gaussian
+        mechanism (the global-update variants); DP-SGD composes its steps."""
+        import dp_accounting
+
+        return dp_accounting.GaussianDpEvent(sigma)
 
     def event(self, sigma: float, rounds: int, size: int, steps: int) -> dp_accounting.DpEvent:
         """``rounds`` rounds of one client holding ``size`` records."""
@@ -203,9 +211,7 @@ class DPOptimisation(_Privacy):
         if not 0.0 < float(self.sampling_rate) <= 1.0:
             raise ValueError(f"sampling_rate must be in (0, 1], got {self.sampling_rate}")
         if self.batch_size is not None:
-            if not (isinstance(self.batch_size, int) and self.batch_size > 0):
-                raise ValueError(f"batch_size must be a positive integer, got "
-                                 f"{self.batch_size!r}")
+            _positive_int(self.batch_size, "batch_size")
             if self.sampling_rate != 1.0:
                 raise ValueError("give sampling_rate (Poisson sampling) or batch_size "
                                  "(fixed-size sampling), not both")
@@ -251,13 +257,7 @@ class DPLocalAveraging(_Privacy):
 
     def __post_init__(self) -> None:
         super().__post_init__()
-        if not (isinstance(self.shards, int) and self.shards > 0):
-            raise ValueError(f"shards must be a positive integer, got {self.shards!r}")
-
-    def round_event(self, sigma, size, steps):
-        import dp_accounting
-
-        return dp_accounting.GaussianDpEvent(sigma)
+        _positive_int(self.shards, "shards")
 
     def solver(self, model: Callable, guide: PVIGuide, optimizer: optax.GradientTransformation,
                steps: int, num_particles: int, sigma: float):
@@ -280,13 +280,7 @@ class DPVirtualParties(_Privacy):
 
     def __post_init__(self) -> None:
         super().__post_init__()
-        if not (isinstance(self.parties, int) and self.parties > 0):
-            raise ValueError(f"parties must be a positive integer, got {self.parties!r}")
-
-    def round_event(self, sigma, size, steps):
-        import dp_accounting
-
-        return dp_accounting.GaussianDpEvent(sigma)
+        _positive_int(self.parties, "parties")
 
     def split(self, factors: g.Gaussian) -> g.Gaussian:
         """The parties' first factors: each client's factor shared equally (client axis 0,
