@@ -15,10 +15,13 @@ method-specific:
   state), its key (the keys :meth:`~fedppl.infer.base.FederatedMethod.update` would use, so the
   answer is the embedded runtime's) and the server's reply to its previous message; the node
   applies that reply (``acknowledge``), runs ``client_update`` on its own data and state, keeps
-  the proposed state in its Flower context, and sends back only the message. Synchronous rounds
-  send to every node at once; sequential rounds one node at a time, the server updating after
-  each. A server that scores candidates on the clients' data (FedBNR's evaluation, PVI's line
-  search) asks them in ``evaluate`` exchanges from inside ``server_update``;
+  the proposed state in its Flower context, and sends back only the message. A method that adds
+  privacy noise at its clients (``privacy=``) has each node fold its own secret, drawn once from
+  the operating system and kept in its context, into that key, so the server that sent the key
+  cannot regenerate the noise (its runs are then not the embedded runtime's to the bit).
+  Synchronous rounds send to every node at once; sequential rounds one node at a time, the
+  server updating after each. A server that scores candidates on the clients' data (FedBNR's
+  evaluation, PVI's line search) asks them in ``evaluate`` exchanges from inside ``server_update``;
 * **faults**: a node that does not answer within ``round_timeout`` seconds, answers with an
   error, or sends a message of the wrong structure, shape or dtype takes no part in that round's
   ``server_update`` (``received`` is False for it), and ``result.rejected`` records the round,
@@ -52,6 +55,7 @@ from __future__ import annotations
 
 import importlib
 import os
+import secrets
 import time
 import uuid
 from collections.abc import Callable, Mapping
@@ -711,6 +715,10 @@ class _Node:
         client = self._acknowledge(built, content, meta)
         server = _unflatten(content["server"], built.server)
         key = unpack(content["key"], jax.random.key(0), "the server", "key")
+        if _private(self.task.method):  # noise the server cannot regenerate from its key
+            if "secret" not in meta:
+                meta["secret"] = secrets.randbits(31)
+            key = jax.random.fold_in(key, int(meta["secret"]))
         rnd = int(cast(int, content.config_records["meta"]["round"]))
         fault = None if self.task.fault is None else self.task.fault(self.partition, rnd)
         if fault == "crash":
@@ -756,6 +764,13 @@ class _Node:
         built = self._built(int(meta["rows"]))
         self._save(self._acknowledge(built, msg.content, meta), meta)
         return Message(RecordDict({"ok": ConfigRecord({"ok": True})}), reply_to=msg)
+
+
+def _private(method: Any) -> bool:
+    """Whether a method adds privacy noise at its clients (DP-PVI, private statistics)."""
+    config = getattr(method, "config", None)
+    return (getattr(method, "privacy", None) is not None
+            or getattr(config, "privacy", None) is not None)
 
 
 class _Captured(Exception):
