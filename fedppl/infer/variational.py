@@ -174,7 +174,7 @@ class PVI(FederatedMethod):
         fixed draws, or in closed form), does not drop (one more exchange of scalars per round).
         Keeps damping 1 from diverging where clients' updates over-count each other (mean-field
         guides on correlated posteriors, many small clients); accepted steps below 1 are reported
-        as shrunk updates.
+        as shrunk updates. On by default; off (and refused) with ``privacy``.
     :param shrink_warning: warn (once per run, naming the clients whose updates shrink q most)
         when, in any round after the run's first, a marginal sd of q, or the geometric mean of
         its sds (q's entropy per dimension), falls by more than this factor.
