@@ -38,11 +38,12 @@ from fedppl.infer import (
     SGPConfig,
     SGPResult,
 )
+from fedppl.infer.ep import EP, EPResult
 
 __version__ = "0.1.0"
 
-__all__ = ["PVI", "GlobalVI", "PVIResult", "PVIGuide", "FederatedSGP", "SGPConfig",
-           "SGPResult", "FSGP", "FSGPConfig", "FSGPResult", "FedBNR", "FedBNRResult", "PFedMul",
-           "PFedMulResult", "CoTraining", "CoTrainingResult", "DPOptimisation",
+__all__ = ["PVI", "GlobalVI", "PVIResult", "EP", "EPResult", "PVIGuide", "FederatedSGP",
+           "SGPConfig", "SGPResult", "FSGP", "FSGPConfig", "FSGPResult", "FedBNR", "FedBNRResult",
+           "PFedMul", "PFedMulResult", "CoTraining", "CoTrainingResult", "DPOptimisation",
            "DPLocalAveraging", "DPVirtualParties", "PrivateStatistics", "Clients", "partition",
            "handlers", "families", "metrics", "datasets", "__version__"]

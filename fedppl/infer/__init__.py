@@ -5,6 +5,7 @@ functions in :mod:`fedppl.algorithms` that the runtime drives."""
 from fedppl.infer.base import FederatedMethod, Result, RunState
 from fedppl.infer.bayesian_regression import FedBNR, FedBNRResult
 from fedppl.infer.co_training import CoTraining, CoTrainingResult
+from fedppl.infer.ep import EP, EPResult
 from fedppl.infer.fedavg_gp import FSGP, FSGPConfig, FSGPResult
 from fedppl.infer.multitask_gp import PFedMul, PFedMulResult
 from fedppl.infer.sparse_gps import FederatedSGP, SGPConfig, SGPResult
@@ -13,4 +14,4 @@ from fedppl.infer.variational import PVI, GlobalVI, PVIResult
 __all__ = ["FederatedMethod", "Result", "RunState", "PVI", "GlobalVI", "PVIResult",
            "FederatedSGP", "SGPConfig", "SGPResult", "FSGP", "FSGPConfig", "FSGPResult",
            "FedBNR", "FedBNRResult", "PFedMul", "PFedMulResult", "CoTraining",
-           "CoTrainingResult"]
+           "CoTrainingResult", "EP", "EPResult"]
