@@ -61,6 +61,7 @@ Example (4 clients, 2 rounds, DP-SGD at a target epsilon of 4)::
 
 from __future__ import annotations
 
+import functools
 import math
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -75,6 +76,7 @@ from jax import Array
 from fedppl import accounting
 from fedppl.algorithms.natural_gradient import LocalResult, log_lik_fn
 from fedppl.algorithms.optimise import minimise
+from fedppl.algorithms.pvi import STEP_SIZES, VariationalSolver
 from fedppl.families import gaussian as g
 from fedppl.guides.pvi_guide import PVIGuide
 
@@ -175,18 +177,19 @@ class _Privacy:
 
     def spent(self, sigma: float, counts: np.ndarray, sizes: np.ndarray, steps: int
               ) -> np.ndarray:
-        """Each client's epsilon after taking part in ``counts[k]`` rounds."""
-        cache: dict[tuple[int, int], float] = {}
-        out = np.empty(len(counts))
-        for k, (c, n) in enumerate(zip(counts, sizes, strict=True)):
-            key = (int(c), int(n) if self.size_matters else 0)
-            if key not in cache:
-                cache[key] = accounting.epsilon(self.event(sigma, *key, steps), self.delta,
-                                                self.accounting)
-            out[k] = cache[key]
-        return out
+        """Each client's epsilon after taking part in ``counts[k]`` rounds (each distinct
+        round count and size accounted once per run: :func:`_spent`)."""
+        return np.array([_spent(self, float(sigma), int(c),
+                                int(n) if self.size_matters else 0, int(steps))
+                         for c, n in zip(counts, sizes, strict=True)])
 
     size_matters = False
+
+
+@functools.lru_cache(maxsize=4096)
+def _spent(privacy: _Privacy, sigma: float, rounds: int, size: int, steps: int) -> float:
+    return accounting.epsilon(privacy.event(sigma, rounds, size, steps), privacy.delta,
+                              privacy.accounting)
 
 
 @dataclass(frozen=True)
@@ -239,8 +242,6 @@ class DPOptimisation(_Privacy):
 
     def solver(self, model: Callable, guide: PVIGuide, optimizer: optax.GradientTransformation,
                steps: int, num_particles: int, sigma: float):
-        from fedppl.algorithms.pvi import VariationalSolver
-
         gradient = DPSGD(model, guide, num_particles, float(self.clip), sigma,
                          float(self.sampling_rate), self.batch_size)
         return VariationalSolver(model, guide, optimizer, steps, num_particles,
@@ -447,9 +448,6 @@ class LocalAveragingSolver(NamedTuple):
     noise_multiplier: float
     shards: int
 
-    def labels(self, num_rows: int) -> Array:
-        return shard_labels(num_rows, self.shards)
-
     def changes(self, q_cavity: g.Gaussian, q: g.Gaussian, data: tuple, mask: Array,
                 key: Array) -> Any:
         """Each shard's change in the guide's parameters from ``q`` (stacked on axis 0): the
@@ -457,7 +455,7 @@ class LocalAveragingSolver(NamedTuple):
         whole client, against the KL to the cavity. The weight is the public ``shards``, not the
         client's size over the shard's: one record then moves its own shard's fit only."""
         M = self.shards
-        label = self.labels(mask.shape[0])
+        label = shard_labels(mask.shape[0], M)
         start = self.guide.params_from(q)
 
         def fit(j, k_fit):
@@ -534,7 +532,7 @@ class VirtualPartiesSolver(NamedTuple):
         k_fit, k_noise = jax.random.split(rng_key)
         noisy = self.release(q, self.changes(q, data, mask, parties, k_fit), k_noise)
         total = jax.tree_util.tree_map(lambda x: jnp.sum(x, axis=0), noisy)
-        sizes = jnp.asarray([2.0**-i for i in range(11)], q.nat1.dtype)
+        sizes = jnp.asarray(STEP_SIZES, q.nat1.dtype)
         moved = jax.vmap(lambda s: g.product(q, g.scale(total, s)))(sizes)
         ok = g.is_pd(moved) & g.is_finite(moved)
         step = jnp.where(jnp.any(ok), sizes[jnp.argmax(ok)], 0.0)

@@ -283,7 +283,8 @@ class PVI(FederatedMethod):
             if reason:
                 raise ValueError(f"privacy= is not available: {reason}")
             steps, particles = opt(self.local_steps, 200), opt(self.num_particles, 8)
-            self._sigma = self.privacy.calibrated(np.asarray(clients.sizes), steps)
+            self._sigma, self._dp_steps = self.privacy.calibrated(np.asarray(clients.sizes),
+                                                                  steps), steps
             return (self.privacy.solver(model, self.guide, self.optimizer, steps, particles,
                                         self._sigma), prior_solver)
         if self.solver == "optax":
@@ -381,8 +382,7 @@ class PVI(FederatedMethod):
 
     def _epsilon(self) -> np.ndarray:
         assert self.privacy is not None
-        return self.privacy.spent(self._sigma, self._dp_rounds, self._sizes,
-                                  self.local_steps or 200)
+        return self.privacy.spent(self._sigma, self._dp_rounds, self._sizes, self._dp_steps)
 
     def _privacy_report(self) -> dict[str, Any] | None:
         if self.privacy is None:

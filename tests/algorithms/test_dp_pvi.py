@@ -122,15 +122,15 @@ def averaging_neighbours(clients):
     # the most a record can move the release: it is alone in its shard, whose fit is then
     # clipped to clip with it and nothing without it (take the first shard count that does it)
     solver = LocalAveragingSolver(model, guide, optax.adam(0.05), 10, 4, clip, sigma, 2)
-    M = next(m for m in range(8, 40) if np.sum(np.asarray(
-        solver._replace(shards=m).labels(mask.shape[0]) == solver._replace(shards=m).labels(
-            mask.shape[0])[0]) & np.asarray(mask)) == 1)
+    M = next(m for m in range(8, 40) if np.sum(
+        np.asarray(shard_labels(mask.shape[0], m) == shard_labels(mask.shape[0], m)[0])
+        & np.asarray(mask)) == 1)
     solver = solver._replace(shards=M)
     q = guide.prior
     key = jax.random.key(2)
     full = solver.changes(q, q, data, mask, key)
     fewer = solver.changes(q, q, data, mask.at[0].set(False), key)
-    shard = int(solver.labels(mask.shape[0])[0])
+    shard = int(shard_labels(mask.shape[0], M)[0])
     # one record moves its own shard's fit and nothing else
     rows, rows_fewer = np.asarray(jax.vmap(_flat)(full)), np.asarray(jax.vmap(_flat)(fewer))
     for j in range(M):
