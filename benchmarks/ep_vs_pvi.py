@@ -10,29 +10,34 @@ flat (w, b):
 * ``sd_err``: the worst ``|sd_q / sd_ref - 1|``;
 * ``seconds``: the round's wall time (the first includes compilation).
 
-Methods: ``EP`` (:class:`fedppl.EP`, full-rank sites, synchronous, NUTS tilted, damping
-``--damping``) and ``EP decaying`` (:func:`fedppl.algorithms.ep.decaying_damping` from
-``--damping`` to ``--decay-to``), each with also the average of q's natural parameters over the
-last 5 rounds (``avg5``: averages some of the sites' Monte Carlo noise out); ``PVI``
-(``fedppl.PVI`` default: mean-field guide, sequential schedule, natural-gradient local step) and
-``PVI fullrank`` (full-rank guide, synchronous, damping 0.5); the one-shot merges of numpyro
-(``hmc_util.parametric`` and ``consensus``) of the clients' subposteriors
-``p(theta)^(1/K) p(y_k | theta)``, sampled by the same NUTS as EP's tilted distributions. The
-issue's target: mean_err <= 0.05 and sd_err <= 0.05 within 20 rounds.
+Methods: ``EP`` (:class:`fedppl.EP`: full-rank sites, synchronous, NUTS tilted distributions,
+ep-stan's decaying damping from 0.5 towards ``min(1 / K, 0.2)``), ``PVI`` (``fedppl.PVI``
+default: mean-field, sequential, natural-gradient local step), ``PVI fullrank`` (synchronous,
+damping 0.5), each of EP and PVI fullrank also started from the Laplace one-shot's sites (``from
+Laplace``), and the one-shot merges of :class:`fedppl.OneShot` (``laplace``, ``parametric``,
+``consensus``) of the subposteriors ``p(theta)^(1/K) p(y_k | theta)``, sampled by the same NUTS
+as EP's tilted distributions. Also: the average log predictive density of a seeded 20% test split
+(``test log-lik``; the model is fitted on the other 80%), rounds until both errors are within
+the issue's target (0.05 for K <= 10, 0.1 above) and rounds to convergence (within 10%, or 0.01,
+of the last round's errors). The issue's target: 0.05 and 0.05 within 20 rounds for K = 10, 0.1
+and 0.1 for K = 100.
 
 Run::
 
-    python benchmarks/ep_vs_pvi.py                       # 1 seed, 20 rounds
-    python benchmarks/ep_vs_pvi.py --seeds 3 --num-samples 2000
+    python benchmarks/ep_vs_pvi.py                       # 1 seed, 20 rounds, K = 10
+    python benchmarks/ep_vs_pvi.py --seeds 3
+    python benchmarks/ep_vs_pvi.py --clients 100 --out benchmarks/results/ep_vs_pvi_k100.json
     python benchmarks/ep_vs_pvi.py --quick               # a smoke run (3 rounds, few draws)
 
-Prints a table and writes JSON to ``--out`` (default benchmarks/results/ep_vs_pvi.json).
+Prints a table and writes JSON to ``--out`` (default benchmarks/results/ep_vs_pvi.json) and a plot
+of the errors against round beside it (``.png``).
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import platform
 import time
 import warnings
@@ -42,10 +47,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from numpyro.infer import MCMC, NUTS
-from numpyro.infer.hmc_util import consensus, parametric
 
 import fedppl
-from fedppl.algorithms import ep
 from fedppl.families import gaussian as g
 from fedppl.models import logistic_regression as model
 
@@ -53,12 +56,30 @@ jax.config.update("jax_enable_x64", True)
 
 
 def load(num_clients: int, seed: int):
+    """Standardised features, a seeded 80/20 train/test split, the training rows split
+    homogeneously over the clients."""
     from sklearn.datasets import load_breast_cancer  # type: ignore[import-untyped]
 
     X, y = load_breast_cancer(return_X_y=True)
-    X = (X - X.mean(0)) / X.std(0)
-    return X, y.astype(float), fedppl.partition.homogeneous(X, y.astype(float), num_clients,
-                                                             seed=seed)
+    X, y = (X - X.mean(0)) / X.std(0), y.astype(float)
+    order = np.random.default_rng(seed).permutation(len(y))
+    cut = int(0.8 * len(y))
+    train, test = order[:cut], order[cut:]
+    clients = fedppl.partition.homogeneous(X[train], y[train], num_clients, seed=seed)
+    return X[train], y[train], (X[test], y[test]), clients
+
+
+def test_log_lik(guide: fedppl.PVIGuide, theta: np.ndarray, test) -> float:
+    """Average log predictive density of the test rows under draws ``theta`` (S, D) (flat)."""
+    X, y = test
+    draws = guide._require_setup().constrain(jnp.asarray(theta))
+    logits = X @ np.asarray(draws["w"]).T + np.asarray(draws["b"])  # (n, S)
+    log_p = y[:, None] * logits - np.logaddexp(0.0, logits)
+    return float(np.mean(jax.scipy.special.logsumexp(log_p, axis=1) - np.log(theta.shape[0])))
+
+
+def q_test_log_lik(guide, q, test, seed: int = 0, num: int = 2000) -> float:
+    return test_log_lik(guide, np.asarray(g.sample(jax.random.key(seed), q, num)), test)
 
 
 def flat(guide: fedppl.PVIGuide, draws: dict) -> np.ndarray:
@@ -82,10 +103,12 @@ def errors(mean, cov, ref_mean, ref_sd) -> tuple[float, float]:
             float(np.max(np.abs(sd / ref_sd - 1))))
 
 
-def curve(method, clients, rounds: int, seed: int, ref_mean, ref_sd, keep: int = 0):
-    """Per-round errors and seconds of a front, and the natural parameters of the last ``keep``
-    rounds' q."""
-    state = method.init(jax.random.key(seed), clients)
+def curve(method, clients, rounds: int, seed: int, ref_mean, ref_sd, keep: int = 0,
+          factors=None, test=None):
+    """Per-round errors and seconds of a front (started from ``factors``, if given), and the
+    natural parameters of the last ``keep`` rounds' q; the last row has q's test
+    log-likelihood."""
+    state = method.init(jax.random.key(seed), clients, factors)
     rows, qs = [], []
     for _ in range(rounds):
         state, info = method.update(state)
@@ -98,6 +121,8 @@ def curve(method, clients, rounds: int, seed: int, ref_mean, ref_sd, keep: int =
                 row[k] = float(np.nanmax(info[k]) if k != "ess" else np.nanmin(info[k]))
         rows.append(row)
         qs.append(state.server.q)
+    if test is not None:
+        rows[-1]["test_ll"] = q_test_log_lik(method.guide, state.server.q, test)
     return rows, qs[-keep:] if keep else []
 
 
@@ -106,41 +131,50 @@ def averaged(qs) -> tuple[jax.Array, jax.Array]:
     return g.to_moments(mean_nat)
 
 
-def merges(clients, guide, num_warmup, num_samples, num_chains, seed, ref_mean, ref_sd):
-    """numpyro's parametric and consensus merges of the clients' subposteriors."""
-    K = clients.num_clients
-    solver = ep.TiltedNUTS(model, guide, num_warmup, num_samples, num_chains)
-    prior = guide._require_prior()
-    sub_prior = g.scale(prior, 1.0 / K)
-    t0 = time.perf_counter()
-    draws = jax.jit(jax.vmap(lambda d, m, k: solver.draws(sub_prior, prior, d, m, k)))(
-        clients.stacked, clients.mask, jax.random.split(jax.random.key(seed), K))
-    draws = np.asarray(draws).reshape(K, -1, guide._require_setup().dim)
-    seconds = time.perf_counter() - t0
-    subs = [d for d in draws]
-    out = {}
-    m, c = parametric(subs)
-    out["parametric"] = dict(zip(("mean_err", "sd_err"), errors(m, c, ref_mean, ref_sd),
-                                 strict=True), seconds=seconds)
-    merged = np.asarray(consensus(subs, num_draws=len(subs[0])))
-    out["consensus"] = dict(zip(("mean_err", "sd_err"),
-                                errors(merged.mean(0), np.cov(merged.T), ref_mean, ref_sd),
-                                strict=True), seconds=seconds)
-    return out
+def one_shots(clients, num_warmup, num_samples, num_chains, seed, ref_mean, ref_sd, test):
+    """fedppl.OneShot's Laplace, parametric and consensus merges of the clients'
+    subposteriors ``p(theta)^(1/K) p(y_k | theta)``: errors, test log-likelihood, seconds (with
+    compiling), and the Laplace sites (to start EP and PVI from)."""
+    out, sites = {}, None
+    for method in ("laplace", "parametric", "consensus"):
+        shot = fedppl.OneShot(model, fedppl.PVIGuide(model, family="fullrank"), method,
+                              num_warmup=num_warmup, num_samples=num_samples,
+                              num_chains=num_chains)
+        t0 = time.perf_counter()
+        res = shot.run(jax.random.key(seed), clients)
+        seconds = time.perf_counter() - t0
+        m, c = res.mean_and_cov()
+        me, se = errors(m, c, ref_mean, ref_sd)
+        theta = (np.asarray(res.draws) if res.draws is not None else
+                 np.asarray(g.sample(jax.random.key(seed), res.q, 2000)))
+        out[method] = {"mean_err": me, "sd_err": se, "seconds": seconds,
+                       "test_ll": test_log_lik(shot.guide, theta, test)}
+        if method == "laplace":
+            sites = res.factors
+    return out, sites
+
+
+def converged_round(rows, target=None) -> int | None:
+    """The first round within ``target`` on both errors, or (``target`` None) within 10% (and
+    0.01) of the run's last round: rounds to convergence."""
+    if target is None:
+        last = rows[-1]
+        return next((r["round"] for r in rows
+                     if r["mean_err"] <= max(1.1 * last["mean_err"], last["mean_err"] + 0.01)
+                     and r["sd_err"] <= max(1.1 * last["sd_err"], last["sd_err"] + 0.01)), None)
+    return next((r["round"] for r in rows if r["mean_err"] <= target
+                 and r["sd_err"] <= target), None)
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--seeds", type=int, default=1)
+    ap.add_argument("--first-seed", type=int, default=0)
     ap.add_argument("--rounds", type=int, default=20)
     ap.add_argument("--clients", type=int, default=10)
     ap.add_argument("--num-warmup", type=int, default=500)
     ap.add_argument("--num-samples", type=int, default=1000)
     ap.add_argument("--num-chains", type=int, default=4)
-    ap.add_argument("--damping", type=float, default=0.5)
-    ap.add_argument("--decay-to", type=float, default=0.1,
-                    help="also run EP with damping decaying from --damping towards this (rate "
-                         "0.8 per round; ep-stan: min(1/K, 0.2)); 0: skip it")
     ap.add_argument("--ref-samples", type=int, default=5000)
     ap.add_argument("--no-pvi", action="store_true")
     ap.add_argument("--quick", action="store_true")
@@ -149,61 +183,90 @@ def main() -> None:
     if args.quick:
         args.rounds, args.num_warmup, args.num_samples, args.ref_samples = 3, 200, 200, 1000
     warnings.simplefilter("ignore", RuntimeWarning)  # the round log's notes, kept in the JSON
-    results: dict = {"settings": vars(args), "machine": platform.platform(), "seeds": []}
-    for seed in range(args.seeds):
-        X, y, clients = load(args.clients, seed)
+    results: dict = {"settings": vars(args), "machine": platform.platform(),
+                     "cpus": os.cpu_count(), "jax": jax.__version__,
+                     "device": str(jax.devices()[0]), "seeds": []}
+    target = 0.05 if args.clients <= 10 else 0.1
+    for seed in range(args.first_seed, args.first_seed + args.seeds):
+        X, y, test, clients = load(args.clients, seed)
         guide = fedppl.PVIGuide(model, family="fullrank").setup(*clients.client(0))
         t0 = time.perf_counter()
         ref = pooled_nuts(X, y, guide, seed, args.ref_samples)
         ref_seconds = time.perf_counter() - t0
         ref_mean, ref_sd = ref.mean(0), ref.std(0, ddof=1)
-        run: dict = {"seed": seed, "pooled_nuts_seconds": ref_seconds, "methods": {}}
-        variants = {"EP": args.damping}
-        if args.decay_to:
-            variants["EP decaying"] = ep.decaying_damping(args.damping, args.decay_to, 0.8)
-        for name, rho in variants.items():
-            method = fedppl.EP(model, guide, "synchronous", rho, num_warmup=args.num_warmup,
-                               num_samples=args.num_samples, num_chains=args.num_chains)
-            rows, last = curve(method, clients, args.rounds, seed, ref_mean, ref_sd, keep=5)
-            run["methods"][name] = rows
-            me, se = errors(*averaged(last), ref_mean, ref_sd)
-            run["methods"][f"{name} avg5"] = [{"round": rows[-1]["round"], "mean_err": me,
-                                               "sd_err": se, "seconds": float("nan")}]
+        run: dict = {"seed": seed, "pooled_nuts_seconds": ref_seconds, "methods": {},
+                     "pooled_nuts_test_ll": test_log_lik(guide, ref[::2], test)}
+        run["one_shot"], sites = one_shots(clients, args.num_warmup, args.num_samples,
+                                           args.num_chains, seed, ref_mean, ref_sd, test)
+        nuts = dict(num_warmup=args.num_warmup, num_samples=args.num_samples,
+                    num_chains=args.num_chains)
+        fronts = {"EP": (fedppl.EP(model, guide, **nuts), None),  # ep-stan's decaying damping
+                  "EP from Laplace": (fedppl.EP(model, guide, **nuts), sites)}
         if not args.no_pvi:
-            run["methods"]["PVI"] = curve(fedppl.PVI(model, fedppl.PVIGuide(model),
-                                                     elbo_samples=0), clients, args.rounds,
-                                          seed, ref_mean, ref_sd)[0]
-            run["methods"]["PVI fullrank"] = curve(
-                fedppl.PVI(model, fedppl.PVIGuide(model, family="fullrank"), "synchronous", 0.5,
-                           elbo_samples=0), clients, args.rounds, seed, ref_mean, ref_sd)[0]
-        run["merges"] = merges(clients, guide, args.num_warmup, args.num_samples,
-                               args.num_chains, seed, ref_mean, ref_sd)
+            full = fedppl.PVI(model, fedppl.PVIGuide(model, family="fullrank"), "synchronous",
+                              0.5, elbo_samples=0)
+            fronts.update({"PVI": (fedppl.PVI(model, fedppl.PVIGuide(model), elbo_samples=0),
+                                   None),
+                           "PVI fullrank": (full, None),
+                           "PVI fullrank from Laplace": (full, sites)})
+        for name, (front, start) in fronts.items():
+            rows = curve(front, clients, args.rounds, seed, ref_mean, ref_sd, factors=start,
+                         test=test)[0]
+            run["methods"][name] = {"rows": rows, "within_target": converged_round(rows, target),
+                                    "converged": converged_round(rows)}
         results["seeds"].append(run)
-        table(run, args)
-    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    with open(args.out, "w") as f:
+        table(run, args, target)
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    with open(out, "w") as f:
         json.dump(results, f, indent=1)
-    print(f"wrote {args.out}")
+    plot(results, out.with_suffix(".png"))
+    print(f"wrote {out} and {out.with_suffix('.png')}")
 
 
-def table(run: dict, args) -> None:
-    decay = f" (EP decaying: to {args.decay_to})" if args.decay_to else ""
-    print(f"\nseed {run['seed']}: K = {args.clients}, EP damping {args.damping}{decay}, "
-          f"{args.num_chains} x {args.num_samples} draws ({args.num_warmup} warm-up) per client; "
-          f"pooled NUTS 4 x {args.ref_samples} ({run['pooled_nuts_seconds']:.0f} s)")
-    print("| method | round | worst mean err (sd) | worst sd err | s/round (median) |")
-    print("|---|---|---|---|---|")
-    for name, rows in run["methods"].items():
+def table(run: dict, args, target: float) -> None:
+    print(f"\nseed {run['seed']}: K = {args.clients}, {args.num_chains} x {args.num_samples} draws "
+          f"({args.num_warmup} warm-up) per client and round; pooled NUTS 4 x {args.ref_samples} "
+          f"({run['pooled_nuts_seconds']:.0f} s), test log-lik {run['pooled_nuts_test_ll']:.4f}")
+    print(f"| method | round | worst mean err (sd) | worst sd err | test log-lik | s/round | "
+          f"first round within {target} | rounds to converge |")
+    print("|---|---|---|---|---|---|---|---|")
+    for name, m in run["one_shot"].items():
+        print(f"| {name} (one shot) | 1 | {m['mean_err']:.3f} | {m['sd_err']:.3f} | "
+              f"{m['test_ll']:.4f} | {m['seconds']:.1f} | | |")
+    for name, m in run["methods"].items():
+        rows = m["rows"]
         secs = np.median([r["seconds"] for r in rows[1:]]) if len(rows) > 1 else float("nan")
-        first_ok = next((r["round"] for r in rows if r["mean_err"] <= 0.05
-                         and r["sd_err"] <= 0.05), None)
-        for row in [r for r in rows if r["round"] in (1, 2, 5, 10, 15) or r is rows[-1]]:
-            print(f"| {name} | {row['round']} | {row['mean_err']:.3f} | {row['sd_err']:.3f} | "
-                  f"{secs:.2f} |")
-        print(f"| {name}: first round within target | {first_ok} | | | |")
-    for name, m in run["merges"].items():
-        print(f"| {name} (one shot) | - | {m['mean_err']:.3f} | {m['sd_err']:.3f} | "
-              f"{m['seconds']:.1f} |")
+        last = rows[-1]
+        print(f"| {name} | {last['round']} | {last['mean_err']:.3f} | {last['sd_err']:.3f} | "
+              f"{last['test_ll']:.4f} | {secs:.2f} | {m['within_target']} | {m['converged']} |")
+
+
+def plot(results: dict, path: Path) -> None:
+    """Worst mean and sd errors against round, first seed, with the one-shot merges as lines."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    run = results["seeds"][0]
+    fig, axes = plt.subplots(1, 2, figsize=(10, 3.8), sharex=True)
+    for ax, key, label in zip(axes, ("mean_err", "sd_err"),
+                              ("worst |mean error| / sd", "worst |sd ratio - 1|"), strict=True):
+        for name, m in run["methods"].items():
+            rows = m["rows"]
+            ax.plot([r["round"] for r in rows], [r[key] for r in rows], marker=".", label=name)
+        for (name, m), style in zip(run["one_shot"].items(), (":", "--", "-."), strict=True):
+            ax.axhline(m[key], color="grey", linestyle=style, label=f"{name} (one shot)")
+        ax.set_yscale("log")
+        ax.set_xlabel("round")
+        ax.set_ylabel(label)
+    axes[0].legend(fontsize=7)
+    K = results["settings"]["clients"]
+    fig.suptitle(f"breast cancer logistic regression, D = 31, K = {K}: against pooled NUTS "
+                 f"(seed {run['seed']})")
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
 
 
 if __name__ == "__main__":

@@ -39,10 +39,12 @@ from fedppl.infer import (
     SGPResult,
 )
 from fedppl.infer.ep import EP, EPResult
+from fedppl.infer.one_shot import OneShot, OneShotResult
 
 __version__ = "0.1.0"
 
-__all__ = ["PVI", "GlobalVI", "PVIResult", "EP", "EPResult", "PVIGuide", "FederatedSGP",
+__all__ = ["PVI", "GlobalVI", "PVIResult", "EP", "EPResult", "OneShot", "OneShotResult",
+           "PVIGuide", "FederatedSGP",
            "SGPConfig", "SGPResult", "FSGP", "FSGPConfig", "FSGPResult", "FedBNR", "FedBNRResult",
            "PFedMul", "PFedMulResult", "CoTraining", "CoTrainingResult", "DPOptimisation",
            "DPLocalAveraging", "DPVirtualParties", "PrivateStatistics", "Clients", "partition",

@@ -82,7 +82,7 @@ from fedppl.handlers.client import client
 
 __all__ = ["TiltedMoments", "TiltedNUTS", "ExactTilted", "EPMessage", "client_update",
            "make_trio", "check_draws", "moments_from_draws", "split_rhat",
-           "effective_sample_size", "decaying_damping"]
+           "effective_sample_size", "decaying_damping", "local_conditional"]
 
 Damping = float | Callable[[Array], Array]
 
@@ -98,6 +98,8 @@ class TiltedMoments(NamedTuple):
     ess: Array
     mc_error: Array
     num_draws: Array
+    local: g.Conditional | None = None  # q(z_k | theta) from the joint draws (local sites)
+    draws: Array | None = None  # the global draws (n, D), for a merge of draws (consensus)
 
 
 class EPMessage(NamedTuple):
@@ -114,6 +116,7 @@ class EPMessage(NamedTuple):
     rhat: Array
     ess: Array
     mc_error: Array
+    draws: Array | None = None  # the tilted draws (n, D): only a consensus merge sends them
 
 
 class TiltedSolver(Protocol):
@@ -183,6 +186,15 @@ def moments_from_draws(theta: Array, diag: bool, num_eff: Array | float | None =
     return g.scale(full, (m - D - 2) / (m - 1))
 
 
+def local_conditional(joint: Array, D: int) -> g.Conditional:
+    """``q(z | theta)`` of the Gaussian fitted to joint draws ``(n, D + d)`` of ``(theta, z)``:
+    the rows of its precision that belong to ``z`` (a client's private guide, as PVI keeps)."""
+    mean = jnp.mean(joint, axis=0)
+    centred = joint - mean
+    fit = g.FullGaussian.from_moments(mean, centred.T @ centred / (joint.shape[0] - 1))
+    return g.Conditional(fit.nat1[D:], fit.prec[D:, D:], fit.prec[D:, :D])
+
+
 def check_draws(num_draws: int, dim: int) -> None:
     """Refuse too few draws for a ``dim``-dimensional moment match (``2 dim + 10`` at least: the
     sample covariance must be invertible and its inverse's correction ``(n - D - 2) / (n - 1)``
@@ -220,17 +232,22 @@ class TiltedNUTS(NamedTuple):
     max_tree_depth: int = 8
     max_rhat: float = 1.05
     chain_method: str = "sequential"
+    prior_share: Callable[[Array], Array] | None = None
+    keep_draws: bool = False
 
     def draws(self, cavity: g.Gaussian, q: g.Gaussian, data: tuple, mask: Array,
               rng_key: Array, alpha: float = 1.0) -> Array:
-        """The tilted draws of the global coordinates, ``(num_chains, num_samples, D)``."""
+        """The tilted draws of the global and local coordinates, ``(num_chains, num_samples,
+        D + d)``."""
         layout = self.guide._require_setup()
         D = layout.dim
         d = 0 if self.guide.local_layout is None else self.guide.local_layout.dim
         log_lik: Callable[..., Array] = log_lik_fn(self.model, self.guide, data, mask)
+        share = self.prior_share
 
         def potential(phi):
-            return -(g.log_prob(cavity, phi[:D]) + alpha * log_lik(phi))
+            own = log_lik(phi) if share is None else log_lik(phi) + share(phi[:D])
+            return -(g.log_prob(cavity, phi[:D]) + alpha * own)
 
         mean, cov = g.to_moments(g.to_full(q))
         dtype = mean.dtype
@@ -252,7 +269,7 @@ class TiltedNUTS(NamedTuple):
 
             def step(s, _):  # warm-up and sampling in one scan: the kernel is traced once
                 s = sample_kernel(s)
-                return s, s.z[:D]
+                return s, s.z
 
             zs = jax.lax.scan(step, state, None, length=self.num_warmup + self.num_samples)[1]
             return zs[self.num_warmup:]
@@ -265,15 +282,19 @@ class TiltedNUTS(NamedTuple):
 
     def moments(self, cavity: g.Gaussian, q: g.Gaussian, data: tuple, mask: Array,
                 rng_key: Array, alpha: float = 1.0) -> TiltedMoments:
-        draws = self.draws(cavity, q, data, mask, rng_key, alpha)
-        D = draws.shape[-1]
+        joint = self.draws(cavity, q, data, mask, rng_key, alpha)
+        D = self.guide._require_setup().dim
+        draws = joint[..., :D]
         ess = effective_sample_size(draws)
         n = self.num_chains * self.num_samples
         squares = (draws - jnp.mean(draws, axis=(0, 1))) ** 2
         num_eff = jnp.clip(jnp.min(effective_sample_size(squares)), min(2 * D + 10, n), n)
         tilted = moments_from_draws(draws.reshape(-1, D), self.guide.diag, num_eff)
+        local = (None if joint.shape[-1] == D else
+                 local_conditional(joint.reshape(n, -1), D))
         return TiltedMoments(tilted, jnp.max(split_rhat(draws)), jnp.min(ess),
-                             jnp.max(1.0 / jnp.sqrt(ess)), jnp.asarray(n))
+                             jnp.max(1.0 / jnp.sqrt(ess)), jnp.asarray(n), local,
+                             draws.reshape(n, D) if self.keep_draws else None)
 
     def __call__(self, q_cavity, q, data, mask, rng_key) -> LocalResult:
         m = self.moments(q_cavity, q, data, mask, rng_key)
@@ -312,14 +333,23 @@ class ExactTilted(NamedTuple):
 def client_update(q: g.Gaussian, state: pvi.ClientState, data: tuple, mask: Array,
                   rng_key: Array, solver: TiltedSolver, damping: float | Array,
                   alpha: float = 1.0) -> tuple[EPMessage, pvi.ClientState]:
-    """One (power) EP step on one client; returns the message and the proposed new state."""
+    """One (power) EP step on one client; returns the message and the proposed new state.
+
+    A client whose chains did not mix (r-hat at or above ``solver.max_rhat``) skips its update:
+    its message is a zero change (``converged`` False, which the round log records) and it keeps
+    its site and its local guide; the next round samples afresh from the same cavity."""
     cavity, repaired = g.repair(g.quotient(q, g.scale(state.factor, alpha)))
     m = solver.moments(cavity, q, data, mask, rng_key, alpha)
     site = g.scale(g.quotient(m.tilted, cavity), 1.0 / alpha)
-    new = g.damp(state.factor, site, damping)
+    mixed = ~(m.rhat >= solver.max_rhat)  # NaN (a closed form) counts as mixed
+    def keep(a, b):  # the update where the chains mixed, the old state where they did not
+        return jax.tree_util.tree_map(lambda x, y: jnp.where(mixed, x, y), a, b)
+
+    new = keep(g.damp(state.factor, site, damping), state.factor)
+    local = state.local if m.local is None or state.local is None else keep(m.local, state.local)
     msg = EPMessage(g.quotient(new, state.factor), jnp.full((), jnp.nan, m.rhat.dtype), repaired,
-                    ~(m.rhat >= solver.max_rhat), m.num_draws, m.rhat, m.ess, m.mc_error)
-    return msg, state._replace(factor=new)
+                    mixed, m.num_draws, m.rhat, m.ess, m.mc_error, m.draws)
+    return msg, state._replace(factor=new, local=local)
 
 
 def decaying_damping(start: float = 0.5, end: float = 0.2, rate: float = 0.8

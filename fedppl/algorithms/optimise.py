@@ -45,14 +45,16 @@ def minimise(loss: Callable[[Any, Any], Array], params: Any,
              optimizer: optax.GradientTransformation, steps: int | None = None,
              rng_key: Array | None = None, *, keys: Array | None = None,
              opt_state: Any = None,
-             value_and_grad: Callable[[Any, Any], tuple[Array, Any]] | None = None
-             ) -> Minimised:
+             value_and_grad: Callable[[Any, Any], tuple[Array, Any]] | None = None,
+             line_search: bool = False) -> Minimised:
     """Minimise ``loss(params, key)`` from ``params``; returns the parameters, the loss
     before each step and the final optimiser state.
 
     The keys are ``jax.random.split(rng_key, steps)``, or ``keys`` as given (one per step), or
     step indices when neither is given (a deterministic loss ignores them). ``opt_state``
-    continues an earlier optimiser state.
+    continues an earlier optimiser state. ``line_search`` hands the optimiser the value, the
+    gradient and the loss itself at each step, as optax's line-searching optimisers
+    (``optax.lbfgs``) need.
     """
     if keys is None:
         if steps is None:
@@ -64,7 +66,11 @@ def minimise(loss: Callable[[Any, Any], Array], params: Any,
     def step(carry, key):
         p, state = carry
         value, grads = direction(p, key)
-        updates, state = optimizer.update(grads, state, p)
+        if line_search:
+            updates, state = optimizer.update(
+                grads, state, p, value=value, grad=grads, value_fn=lambda x: loss(x, key))
+        else:
+            updates, state = optimizer.update(grads, state, p)
         return (optax.apply_updates(p, updates), state), value
 
     state = optimizer.init(params) if opt_state is None else opt_state

@@ -39,6 +39,20 @@ from fedppl.runtime.embedded import SCHEDULES
 
 __all__ = ["EP", "EPResult"]
 
+
+@dataclass(frozen=True)
+class _Share:
+    """A client's share ``weight * correction(theta)`` of the prior's departure from its Gaussian
+    base (``p = p~ exp(correction)``): EP splits it evenly over the K clients' tilted
+    distributions, so that ``p~ prod_k [p(y_k | theta) exp(correction / K)]`` is the exact
+    posterior. Hashable, so that equal shares reuse a compiled round."""
+
+    correction: Callable[[Array], Array]
+    weight: float
+
+    def __call__(self, theta: Array) -> Array:
+        return self.weight * self.correction(theta)
+
 TILTED = ("nuts", "exact")
 
 
@@ -56,10 +70,14 @@ class EPResult(PVIResult):
 class EP(PVI):
     """Expectation propagation over the global sites of a NumPyro model.
 
-    :param model: an ordinary NumPyro model (as for :class:`fedppl.PVI`); its prior must be
-        Gaussian in the unconstrained space of the global sites (``Normal`` priors on real
-        sites). Local latent sites are sampled jointly with the global ones in each tilted
-        distribution (and not kept).
+    :param model: an ordinary NumPyro model (as for :class:`fedppl.PVI`), with any prior: a
+        prior that is not Gaussian in the unconstrained space (HalfCauchy, Laplace, a scale
+        that is another site...) is split evenly over the clients' tilted distributions,
+        ``p = p~ exp(c)`` with ``p~`` its Gaussian base (``guide.prior``) in q and
+        ``exp(c / K)`` beside each client's likelihood, so the target stays the exact posterior.
+        Local latent sites are sampled jointly with the global ones in each tilted distribution;
+        they never leave the client, which keeps ``q(z_k | theta)``, the Gaussian conditional of
+        its last round's joint draws (``result.local``; ``result.sample(key, n, client=k)``).
     :param guide: a :class:`~fedppl.guides.PVIGuide` (``family="fullrank"`` for full-rank sites,
         ``"meanfield"`` matches the tilted marginals only).
     :param schedule: ``"synchronous"`` (default: every client's sampler in one compiled round,
@@ -76,7 +94,10 @@ class EP(PVI):
     :param alpha: power EP's ``alpha`` in (0, 1]: the tilted distribution takes the likelihood to
         the power ``alpha``, the site update ``1 / alpha`` (1: plain EP).
     :param dense_mass: adapt a dense (True) or diagonal mass matrix in warm-up.
-    :param max_rhat: a client whose r-hat exceeds this is recorded as not converged.
+    :param max_rhat: a client whose largest split r-hat reaches this skips its update that
+        round (its chains did not mix: its site and local guide stay as they were, its message
+        is a zero change); it is recorded as not converged (``history["converged"]``, and in
+        ``result.unconverged``).
     :param tilted: ``"nuts"`` or ``"exact"`` (closed form, for a Gaussian likelihood affine in
         the global sites: to check the algebra).
     :param chain_method: ``"sequential"`` or ``"vectorized"`` chains (see
@@ -130,16 +151,21 @@ class EP(PVI):
         self.num_chains, self.dense_mass = int(num_chains), bool(dense_mass)
         self.max_rhat, self.chain_method = float(max_rhat), chain_method
 
-    def _solver(self, clients: Clients, model: Callable, model_kwargs: dict):
+    def _prepare(self, clients: Clients, model_kwargs: dict) -> tuple[PVIGuide, _Share | None]:
+        """The guide set up for these clients, and each client's share of the prior's
+        correction (None for a Gaussian prior)."""
         guide = self.guide.setup(*clients.client(0), **model_kwargs)
-        if guide.prior_correction is not None:
-            raise NotImplementedError(
-                "EP needs a prior that is Gaussian in the unconstrained space of the global "
-                "sites (Normal priors on real sites); the server's prior factor t_0 that PVI "
-                "refines for other priors is not implemented for EP")
         _check_clients(guide, clients, model_kwargs)
+        correction = guide.prior_correction
+        return guide, None if correction is None else _Share(correction, 1 / clients.num_clients)
+
+    def _solver(self, clients: Clients, model: Callable, model_kwargs: dict):
+        guide, share = self._prepare(clients, model_kwargs)
         layout = guide._require_setup()
         if self.tilted == "exact":
+            if share is not None:
+                raise ValueError("tilted='exact' needs a prior that is Gaussian in the "
+                                 "unconstrained space of the global sites")
             data = tuple(a[0] for a in clients.stacked)
             why = (conjugate.check(client(model, mask=clients.mask[0]), layout, *data)
                    if guide.local_layout is None else "the model has local latent sites")
@@ -152,7 +178,7 @@ class EP(PVI):
             self._ep_solver = ep.TiltedNUTS(model, guide, self.num_warmup, self.num_samples,
                                             self.num_chains, self.dense_mass,
                                             max_rhat=self.max_rhat,
-                                            chain_method=self.chain_method)
+                                            chain_method=self.chain_method, prior_share=share)
         return cast(pvi.LocalSolver, self._ep_solver), None
 
     def _setup(self, rng_key: Array, clients: Clients, factors=None, resume=None,
@@ -168,8 +194,7 @@ class EP(PVI):
                                                 alpha=self.alpha, schedule=self.schedule,
                                                 max_divergence=self.max_divergence), rho)
         trio, self._rho = self._compiled[key]
-        # the tilted draws of local sites are not kept: no private guides
-        return trio, schedule, server, cstates._replace(local=None)
+        return trio, schedule, server, cstates
 
     def _record(self, before, after, msgs, steps, active, rng_key) -> dict[str, Any]:
         row = super()._record(before, after, msgs, steps, active, rng_key)

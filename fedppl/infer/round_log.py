@@ -50,7 +50,11 @@ class RoundLog:
         slow = np.nonzero(active & ~np.asarray(msgs.converged, bool))[0]
         for k in slow:
             self.unconverged.append((r + 1, self.names[k]))
-        if len(slow):
+        if len(slow) and hasattr(msgs, "rhat"):  # EP: a sampler that did not mix
+            rhat = np.asarray(msgs.rhat)[slow]
+            _warn(f"round {r + 1}: the chains of {self._list(slow)} did not mix (largest split "
+                  f"r-hat {np.nanmax(rhat):.3g}); their updates were skipped")
+        elif len(slow):
             iters = np.asarray(msgs.iterations)[slow]
             _warn(f"round {r + 1}: the local steps of {self._list(slow)} did not converge (after "
                   f"{int(iters.max())} iterations); their updates were applied as they are")

@@ -159,17 +159,87 @@ def test_exact_needs_conjugate_model(linear):
             jax.random.key(0), bad)
 
 
-def test_non_gaussian_prior_not_implemented(linear):
+def test_unmixed_client_skips_its_update(linear):
+    """A client whose r-hat reaches max_rhat keeps its site: here every client, so q stays the
+    prior, and the log names each client in each round."""
     clients, _, _ = linear
+    guide = _guide()
+    with pytest.warns(RuntimeWarning, match="client 0, client 1, client 2 did not mix"):
+        res = fedppl.EP(linear_regression, guide, num_warmup=20, num_samples=20, num_chains=2,
+                        max_rhat=1.0 + 1e-12).run(jax.random.key(0), clients, 2,
+                                                  progress_bar=False)
+    prior = guide.prior
+    np.testing.assert_array_equal(res.q.nat1, prior.nat1)
+    np.testing.assert_array_equal(res.q.prec, prior.prec)
+    assert np.all(res.history["converged"] == 0) and np.all(res.history["rhat"] > 1.0)
+    assert len(res.unconverged) == 2 * 3 and res.rejected == []
 
-    def model(X, y=None):
-        w = numpyro.sample("w", dist.Normal(0.0, 1.0).expand([X.shape[1]]).to_event(1))
-        s = numpyro.sample("s", dist.HalfNormal(1.0))
-        with numpyro.plate("data", X.shape[0]):
-            numpyro.sample("y", dist.Normal(X @ w, s), obs=y)
 
-    with pytest.raises(NotImplementedError, match="Gaussian in the unconstrained space"):
-        fedppl.EP(model, _guide(model)).init(jax.random.key(0), clients)
+def test_local_sites_sampled_at_the_client_and_kept_there():
+    """Random intercepts (conjugate, each client one group): the global moments within their
+    Monte Carlo error of the exact joint posterior, and each client's private q(a_k | theta),
+    fitted to its last joint draws, gives its effect's exact marginal to Monte Carlo error."""
+    from tests.reference import unconstrained_moments
+    from tests.test_local_sites import exact_posterior, grouped_data, random_intercepts
+
+    parts = grouped_data()
+    clients = fedppl.Clients.from_list(parts)
+    guide = fedppl.PVIGuide(random_intercepts, global_sites=["mu", "w"], family="fullrank")
+    # one undamped round: each site is its likelihood whatever the cavity (conjugate), and a
+    # broad cavity (the prior) keeps the sites' Monte Carlo noise small
+    res = fedppl.EP(random_intercepts, guide, damping=1.0, num_warmup=200, num_samples=500,
+                    num_chains=2).run(jax.random.key(1), clients, 1, progress_bar=False,
+                                      n_groups=1)
+    mean, cov = exact_posterior(parts)
+    m, c = (np.asarray(a) for a in res.mean_and_cov())
+    sd = np.sqrt(np.diag(cov))
+    se = sd[:3] * np.sqrt(np.sum(1.0 / res.history["ess"][-1]))
+    assert np.all(np.abs(m - mean[:3]) <= 3 * se), (m, mean[:3], se)
+    np.testing.assert_allclose(np.sqrt(np.diag(c)), sd[:3], rtol=0.15)
+    for k in (0, 4):
+        a_mean, a_sd = unconstrained_moments(res, client=k)["a"]
+        assert abs(float(a_mean[0]) - mean[3 + k]) < 0.15 * sd[3 + k], (a_mean, mean[3 + k])
+        assert abs(float(a_sd[0]) / sd[3 + k] - 1) < 0.15, (a_sd, sd[3 + k])
+    draws = res.sample(jax.random.key(2), 1000, client=4)
+    assert set(draws) == {"mu", "w", "a"} and draws["a"].shape == (1000, 1)
+    pytest.importorskip("arviz")
+    idata = res.to_arviz(num_samples=50)
+    assert idata.constant_data["tilted_rhat"].dims == ("client",)
+    np.testing.assert_array_equal(idata.constant_data["tilted_ess"], res.history["ess"][-1])
+
+
+def shrinkage(X, y=None):
+    """Linear regression with a HalfCauchy scale on the weights: a prior no Gaussian base is."""
+    tau = numpyro.sample("tau", dist.HalfCauchy(1.0))
+    w = numpyro.sample("w", dist.Normal(0.0, tau).expand([X.shape[1]]).to_event(1))
+    with numpyro.plate("data", X.shape[0]):
+        numpyro.sample("y", dist.Normal(X @ w, 1.0), obs=y)
+
+
+def test_non_gaussian_prior_enters_exactly():
+    """EP with a HalfCauchy scale against pooled NUTS (unconstrained (log tau, w)): the prior's
+    departure from its Gaussian base, split over the clients, is what moves log tau there."""
+    from numpyro.infer import MCMC, NUTS
+
+    rng = np.random.default_rng(4)
+    X = rng.normal(size=(45, 3))
+    y = X @ np.array([0.4, -0.3, 0.2]) + rng.normal(size=45)
+    clients = fedppl.partition.homogeneous(X, y, num_clients=3, seed=0)
+    mcmc = MCMC(NUTS(shrinkage), num_warmup=500, num_samples=4000, num_chains=1,
+                progress_bar=False)
+    mcmc.run(jax.random.key(0), X, y)
+    s = mcmc.get_samples()
+    ref = np.c_[np.log(np.asarray(s["tau"])), np.asarray(s["w"])]
+    res = fedppl.EP(shrinkage, fedppl.PVIGuide(shrinkage, family="fullrank"), num_warmup=200,
+                    num_samples=500, num_chains=2).run(jax.random.key(0), clients, 8,
+                                                       progress_bar=False)
+    layout = res.guide.layout
+    order = np.concatenate([np.arange(layout.dim)[layout[n].slice] for n in ("tau", "w")])
+    m, c = res.mean_and_cov()
+    m, sd = np.asarray(m)[order], np.sqrt(np.diag(np.asarray(c)))[order]
+    ref_sd = ref.std(0)
+    assert np.all(np.abs(m - ref.mean(0)) < 0.15 * ref_sd), (m, ref.mean(0), ref_sd)
+    np.testing.assert_allclose(sd, ref_sd, rtol=0.15)
 
 
 def test_too_few_draws_message():

@@ -1,0 +1,92 @@
+"""The one-shot baselines (fedppl.OneShot): Laplace exact where the subposteriors are Gaussian
+(with local sites too), the sampled merges within Monte Carlo error, initialising EP and PVI,
+bad input."""
+
+from __future__ import annotations
+
+import jax
+import numpy as np
+import pytest
+
+import fedppl
+from fedppl.models import linear_regression
+from tests.conftest import exact_linear_posterior
+
+
+@pytest.fixture(scope="module")
+def linear():
+    rng = np.random.default_rng(0)
+    X = rng.normal(size=(60, 2))
+    y = X @ np.array([1.0, -0.5]) + 0.3 + rng.normal(size=60)
+    clients = fedppl.partition.homogeneous(X, y, num_clients=3, seed=0)
+    mean, cov = exact_linear_posterior(np.c_[X, np.ones(60)], y, noise=1.0)
+    return clients, mean, cov
+
+
+def _guide(model=linear_regression, **kw):
+    return fedppl.PVIGuide(model, family="fullrank", **kw)
+
+
+def test_laplace_is_exact_for_gaussian_subposteriors(linear):
+    clients, mean, cov = linear
+    res = fedppl.OneShot(linear_regression, _guide()).run(jax.random.key(0), clients)
+    m, c = res.mean_and_cov()
+    np.testing.assert_allclose(m, mean, atol=1e-8)
+    np.testing.assert_allclose(c, cov, atol=1e-8)
+    assert isinstance(res, fedppl.OneShotResult) and res.method == "laplace"
+    # the sites start PVI at its fixed point: one more round moves nothing
+    pvi = fedppl.PVI(linear_regression, _guide()).run(jax.random.key(1), clients, 1,
+                                                      factors=res.factors, progress_bar=False)
+    np.testing.assert_allclose(pvi.mean_and_cov()[0], mean, atol=1e-8)
+
+
+def test_laplace_with_local_sites_is_exact():
+    """Random intercepts (conjugate): the joint mode and Hessian give the exact marginal of the
+    global sites (Schur complement) and each client's exact q(a_k | theta)."""
+    from tests.reference import unconstrained_moments
+    from tests.test_local_sites import exact_posterior, grouped_data, random_intercepts
+
+    parts = grouped_data()
+    res = fedppl.OneShot(random_intercepts, _guide(random_intercepts, global_sites=["mu", "w"])
+                         ).run(jax.random.key(0), fedppl.Clients.from_list(parts), n_groups=1)
+    mean, cov = exact_posterior(parts)
+    np.testing.assert_allclose(res.mean_and_cov()[0], mean[:3], atol=1e-7)
+    np.testing.assert_allclose(res.mean_and_cov()[1], cov[:3, :3], atol=1e-7)
+    a_mean, a_sd = unconstrained_moments(res, client=2)["a"]
+    np.testing.assert_allclose(a_mean[0], mean[5], atol=1e-7)
+    np.testing.assert_allclose(a_sd[0], np.sqrt(cov[5, 5]), atol=1e-7)
+
+
+@pytest.mark.parametrize("method", ["parametric", "consensus"])
+def test_sampled_merges_within_monte_carlo_error(linear, method):
+    clients, mean, cov = linear
+    res = fedppl.OneShot(linear_regression, _guide(), method, num_warmup=200, num_samples=500,
+                         num_chains=2).run(jax.random.key(2), clients)
+    m, c = (np.asarray(a) for a in res.mean_and_cov())
+    sd = np.sqrt(np.diag(cov))
+    # each subposterior's mean errs by sd_k / sqrt(ESS_k); the product weights them by
+    # precision, so q's mean errs by at most sd * sqrt(sum_k 1 / ESS_k) (conservative)
+    se = sd * np.sqrt(np.sum(1.0 / res.history["ess"][-1]))
+    assert np.all(np.abs(m - mean) <= 3 * se), (m, mean, se)
+    np.testing.assert_allclose(np.sqrt(np.diag(c)), sd, rtol=0.15)
+    if method == "consensus":
+        assert res.draws is not None and res.draws.shape == (1000, 3)
+        np.testing.assert_allclose(res.draws.mean(0), m, atol=1e-12)
+        # the draws travel up with the sites
+        assert res.history["bytes_up"][0] > 3 * 1000 * 3 * 8
+    else:
+        assert res.draws is None
+
+
+def test_bad_input(linear):
+    clients, _, _ = linear
+    with pytest.raises(ValueError, match="method"):
+        fedppl.OneShot(linear_regression, _guide(), "average")
+    with pytest.raises(ValueError, match="laplace_steps"):
+        fedppl.OneShot(linear_regression, _guide(), laplace_steps=0)
+    shot = fedppl.OneShot(linear_regression, _guide())
+    with pytest.raises(ValueError, match="one round"):
+        shot.run(jax.random.key(0), clients, 3)
+    first = shot.run(jax.random.key(0), clients)
+    with pytest.raises(ValueError, match="starts from the prior"):
+        shot.init(jax.random.key(0), clients, first.factors)
