@@ -62,6 +62,8 @@ class EPResult(PVIResult):
     history: ``rhat`` and ``ess`` (rounds, K) the largest split r-hat and smallest effective
     sample size over the global coordinates of each client's tilted draws, ``mc_error``
     (rounds, K) the largest Monte Carlo standard error of a tilted mean in tilted sds,
+    ``site_change`` (rounds, K) the largest absolute change of a natural parameter of each
+    client's site (its message),
     ``damping`` (rounds) the damping each round used. ``free_energy`` is NaN (EP has none);
     ``converged`` is whether r-hat stayed below ``max_rhat``; ``local_iterations`` the draws
     (chains times samples)."""
@@ -200,6 +202,9 @@ class EP(PVI):
         row = super()._record(before, after, msgs, steps, active, rng_key)
         for name in ("rhat", "ess", "mc_error"):
             row[name] = np.where(active, np.asarray(getattr(msgs, name), float), np.nan)
+        delta = [np.abs(np.asarray(x)).reshape(len(active), -1).max(axis=1)
+                 for x in (msgs.delta.nat1, msgs.delta.prec)]
+        row["site_change"] = np.where(active, np.maximum(*delta), np.nan)
         rho = self._rho
         row["damping"] = float(rho(jnp.asarray(before.server.round)) if callable(rho) else rho)
         return row
