@@ -16,6 +16,9 @@ Run::
     python benchmarks/model_gallery.py                          # all models, full references
     python benchmarks/model_gallery.py --quick --models poisson_regression
     python benchmarks/model_gallery.py --schedule synchronous --repeats 3
+    python benchmarks/model_gallery.py --method ep --schedule synchronous --rounds 15 \
+        --models logistic_laplace,hierarchical_logistic,negbin_regression \
+        --out benchmarks/results/model_gallery_ep.json
 
 Prints a markdown table and writes JSON (machine, settings, one row per model) to ``--out``
 (default ``benchmarks/results/model_gallery.json``; ``model_gallery_quick.json`` with
@@ -51,23 +54,25 @@ NUM_ROUNDS, TOL, DAMPING, NUM_DRAWS = 30, 1e-8, 1.0, 20000
 
 
 def run_fedppl(entry: Entry, clients_arrays, model_kwargs: dict, schedule: str,
-               num_rounds: int = NUM_ROUNDS, repeats: int = 1) -> dict:
-    """Federated PVI on the clients: global draws, client k's local draws, rounds and seconds.
-
-    The fedppl API is still being built; everything that touches it is in this function.
-    ``repeats`` re-runs the same (already compiled) PVI object to time it.
+               num_rounds: int = NUM_ROUNDS, repeats: int = 1, method: str = "pvi") -> dict:
+    """Federated PVI (or EP, ``method="ep"``: full-rank sites, its default NUTS and decaying
+    damping, ``num_rounds`` rounds) on the clients: global draws, client k's local draws, rounds
+    and seconds. ``repeats`` re-runs the same (already compiled) object to time it.
     """
     import fedppl
     from fedppl.guides import PVIGuide
 
     clients = fedppl.Clients.from_list(clients_arrays)
-    guide = PVIGuide(entry.model, global_sites=entry.global_sites, family=entry.family)
-    pvi = fedppl.PVI(entry.model, guide, schedule=schedule, damping=DAMPING)
+    family = "fullrank" if method == "ep" else entry.family
+    guide = PVIGuide(entry.model, global_sites=entry.global_sites, family=family)
+    front = (fedppl.EP(entry.model, guide, schedule) if method == "ep" else
+             fedppl.PVI(entry.model, guide, schedule=schedule, damping=DAMPING))
+    tol = None if method == "ep" else TOL  # EP's q moves by its Monte Carlo noise every round
     runs = []
     for _ in range(max(1, repeats)):
         t0 = time.perf_counter()
-        result = pvi.run(jax.random.key(0), clients, num_rounds=num_rounds, tol=TOL,
-                         progress_bar=False, **model_kwargs)
+        result = front.run(jax.random.key(0), clients, num_rounds=num_rounds, tol=tol,
+                           progress_bar=False, **model_kwargs)
         runs.append(time.perf_counter() - t0)
     draws = {s: np.asarray(v) for s, v in result.sample(jax.random.key(1), NUM_DRAWS).items()}
     local = {}
@@ -134,7 +139,7 @@ def evaluate(entry: Entry, args) -> dict:
     t0 = time.perf_counter()
     try:
         fed = run_fedppl(entry, clients_arrays, model_kwargs, args.schedule, args.rounds,
-                         args.repeats)
+                         args.repeats, args.method)
     except Exception as exc:  # the fedppl API is still growing: record and go on
         row["error"] = f"{type(exc).__name__}: {exc}".strip()[:500]
         row["seconds_to_error"] = time.perf_counter() - t0
@@ -198,6 +203,8 @@ def main(argv=None) -> None:
     p.add_argument("--schedule", choices=("sequential", "synchronous"), default="sequential")
     p.add_argument("--rounds", type=int, default=NUM_ROUNDS)
     p.add_argument("--repeats", type=int, default=1, help="fedppl runs to time (median)")
+    p.add_argument("--method", choices=("pvi", "ep"), default="pvi",
+                   help="fedppl.PVI (default) or fedppl.EP")
     p.add_argument("--data-seed", type=int, default=0)
     p.add_argument("--out", type=Path, default=None,
                    help=f"JSON path (default {OUT.name}, or {QUICK_OUT.name} with --quick)")
@@ -215,7 +222,8 @@ def main(argv=None) -> None:
         print(f"{name}: {status} ({time.perf_counter() - t0:.1f} s)", flush=True)
         rows.append(row)
     print_table(rows)
-    settings = {"schedule": args.schedule, "num_rounds": args.rounds, "tol": TOL,
+    settings = {"method": args.method, "schedule": args.schedule, "num_rounds": args.rounds,
+                "tol": TOL if args.method == "pvi" else None,
                 "damping": DAMPING, "num_draws": NUM_DRAWS, "repeats": args.repeats,
                 "quick": args.quick, "data_seed": args.data_seed, "num_clients": 10,
                 "nuts": refs.NUTS_QUICK if args.quick else refs.NUTS_SETTINGS,

@@ -14,18 +14,6 @@ import fedppl
 from fedppl.algorithms import ep, pvi
 from fedppl.families import gaussian as g
 from fedppl.models import linear_regression, logistic_regression
-from tests.conftest import exact_linear_posterior
-
-
-@pytest.fixture(scope="module")
-def linear():
-    rng = np.random.default_rng(0)
-    X = rng.normal(size=(60, 2))
-    y = X @ np.array([1.0, -0.5]) + 0.3 + rng.normal(size=60)
-    clients = fedppl.partition.homogeneous(X, y, num_clients=3, seed=0)
-    # (w, b) with prior N(0, 1), noise 1: the bias is one more column of ones
-    mean, cov = exact_linear_posterior(np.c_[X, np.ones(60)], y, noise=1.0)
-    return clients, mean, cov
 
 
 def _guide(model=linear_regression):

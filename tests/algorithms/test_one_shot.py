@@ -10,17 +10,6 @@ import pytest
 
 import fedppl
 from fedppl.models import linear_regression
-from tests.conftest import exact_linear_posterior
-
-
-@pytest.fixture(scope="module")
-def linear():
-    rng = np.random.default_rng(0)
-    X = rng.normal(size=(60, 2))
-    y = X @ np.array([1.0, -0.5]) + 0.3 + rng.normal(size=60)
-    clients = fedppl.partition.homogeneous(X, y, num_clients=3, seed=0)
-    mean, cov = exact_linear_posterior(np.c_[X, np.ones(60)], y, noise=1.0)
-    return clients, mean, cov
 
 
 def _guide(model=linear_regression, **kw):
