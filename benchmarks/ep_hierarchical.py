@@ -1,0 +1,315 @@
+"""Federated EP on a hierarchical logistic regression against pooled NUTS, PVI and one-shot
+merges (issue "Federated EP", the hierarchical task).
+
+Data: ep-stan's default simulation: J = 40 groups, D = 20 inputs (x ~ N(0, 1)), 20 observations
+per group; each group has its own intercept and slopes, ``(alpha_j, beta_j) ~ N(mu, sigma^2)``
+per coordinate, with ``mu`` (intercept mean and 20 slope means) and ``sigma`` (21 group scales)
+global. Group ``j`` goes to client ``j % 25``: 25 clients, 15 with two groups and 10 with one
+(each client renumbers its groups from 0; ``n_groups = 2`` everywhere, a client with one group
+carries an effect no observation depends on, which fedppl marginalises out exactly).
+
+Model (one signature for pooled NUTS and fedppl): ``mu ~ N(0, 1)`` (21), ``sigma ~ LogNormal(0,
+1)`` (21: Gaussian in the unconstrained space, as :class:`fedppl.EP` needs), per group a
+non-centred ``z_j ~ N(0, I_21)`` with coefficients ``mu + sigma * z_j``, ``y ~ Bernoulli(logits)``.
+
+Reference: pooled NUTS (numpyro ``MCMC``, 4 chains x ``--ref-samples``, 1000 warm-up, diagonal
+mass matrix: 882 coordinates) on all the data with ``n_groups = 40``. Errors over the 42 global
+coordinates in the unconstrained space, ``(mu, log sigma)``:
+
+* ``mean_err``: the worst ``|mean_q - mean_ref| / sd_ref``;
+* ``sd_err``: the worst ``|sd_q / sd_ref - 1|``.
+
+The issue's target for EP: mean_err <= 0.1 and sd_err <= 0.1.
+
+Methods: ``EP`` (:class:`fedppl.EP`, full-rank sites, synchronous, default decaying damping, NUTS
+tilted distributions over each client's ``(theta, z_k)``: 42 + 42 coordinates), also with the
+average of q's natural parameters over its last 5 rounds (``EP avg5``); ``PVI``
+(:class:`fedppl.PVI` with a full-rank guide and its defaults: sequential, damping 1,
+natural-gradient local step, each client's joint Gaussian over ``(theta, z_k)``); numpyro's
+one-shot ``consensus`` and ``parametric`` merges of the clients' subposteriors
+``p(theta)^(1/K) p(y_k | theta)`` (the prior's Gaussian in the unconstrained space to the power
+``1 / K``), sampled by the same NUTS as EP's tilted distributions (local sites jointly, dropped).
+
+Measured (seed 0, 2-core CPU shared with another job, ``--rounds 10 --pvi-rounds 8
+--num-warmup 300 --num-samples 300 --max-rhat inf --ref-warmup 500 --ref-samples 1500``):
+EP round 10: worst mean error 1.16 sd, worst sd error 0.50 (still falling, about 133 s a
+round); PVI flat from round 3 at 2.1 / 0.62 (about 55 s a round); parametric and consensus
+8.3 / 0.57 and 8.7 / 0.58 (the subposteriors' NUTS did not mix: r-hat 5.3). Not the issue's
+0.1 / 10% target. With fedppl's default ``max_rhat=1.05`` EP never moves: in round 1 (cavity =
+prior) every client's tilted r-hat is above 1.05 (200 + 300 draws: max 1.64), every client skips
+its update, and each later round samples the same cavity again. A constant damping of 0.5
+(``--damping 0.5``) oscillates instead: round 5 at 1.49 / 1.00.
+
+Run::
+
+    python benchmarks/ep_hierarchical.py --max-rhat inf   # 1 seed, 20 rounds
+    python benchmarks/ep_hierarchical.py --quick          # a smoke run (2 rounds, few draws)
+
+Prints a table and writes JSON to ``--out`` (default benchmarks/results/ep_hierarchical.json).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import time
+import warnings
+from functools import partial
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import numpyro
+import numpyro.distributions as dist
+from numpyro.infer import MCMC, NUTS
+from numpyro.infer.hmc_util import consensus, parametric
+
+import fedppl
+from fedppl.algorithms import ep
+from fedppl.families import gaussian as g
+
+jax.config.update("jax_enable_x64", True)
+
+J, D, N_PER_GROUP, K = 40, 20, 20, 25
+GLOBAL = ("mu", "sigma")
+
+
+def model(X, gid, y=None, *, n_groups):
+    """Hierarchical logistic regression, random intercept and slopes, non-centred."""
+    P = X.shape[1] + 1
+    mu = numpyro.sample("mu", dist.Normal(0.0, 1.0).expand([P]).to_event(1))
+    sigma = numpyro.sample("sigma", dist.LogNormal(0.0, 1.0).expand([P]).to_event(1))
+    with numpyro.plate("groups", n_groups):
+        z = numpyro.sample("z", dist.Normal(0.0, 1.0).expand([P]).to_event(1))
+    coef = mu + sigma * z  # (n_groups, P): intercept, then slopes
+    c = coef[gid]
+    with numpyro.plate("data", X.shape[0]):
+        numpyro.sample("y", dist.Bernoulli(logits=c[:, 0] + jnp.sum(X * c[:, 1:], -1)), obs=y)
+
+
+def simulate(seed: int):
+    """The pooled data (X, gid, y), the true global values, and the clients."""
+    rng = np.random.default_rng(seed)
+    P = D + 1
+    mu = np.concatenate([[0.3], rng.normal(0.0, 0.5, D)])
+    sigma = np.concatenate([[1.0], np.exp(rng.normal(np.log(0.5), 0.25, D))])
+    coef = mu + sigma * rng.normal(size=(J, P))
+    gid = np.repeat(np.arange(J), N_PER_GROUP)
+    X = rng.normal(size=(J * N_PER_GROUP, D))
+    f = coef[gid, 0] + np.sum(X * coef[gid, 1:], 1)
+    y = (rng.uniform(size=len(f)) < 1 / (1 + np.exp(-f))).astype(float)
+    parts = []
+    for k in range(K):
+        groups = [j for j in range(J) if j % K == k]
+        rows = np.isin(gid, groups)
+        local = np.searchsorted(groups, gid[rows])  # renumbered 0..n_k - 1
+        parts.append((X[rows], local, y[rows]))
+    return (X, gid, y), {"mu": mu, "sigma": sigma}, fedppl.Clients.from_list(parts)
+
+
+def unconstrained(guide: fedppl.PVIGuide, draws: dict) -> np.ndarray:
+    """Draws of the global sites as the guide's flat unconstrained vectors (log sigma)."""
+    layout = guide._require_setup()
+    n = len(next(iter(draws.values())))
+    cols = []
+    for s in layout.sites:
+        v = np.asarray(draws[s.name]).reshape(n, -1)
+        cols.append(np.log(v) if s.name == "sigma" else v)
+    return np.concatenate(cols, 1)
+
+
+def pooled_nuts(pooled, guide, seed: int, num_samples: int, num_warmup: int) -> np.ndarray:
+    X, gid, y = pooled
+    mcmc = MCMC(NUTS(model), num_warmup=num_warmup, num_samples=num_samples, num_chains=4,
+                chain_method="sequential", progress_bar=False)
+    mcmc.run(jax.random.key(1000 + seed), X, gid, y, n_groups=J,
+             extra_fields=("diverging", "num_steps"))
+    extra = mcmc.get_extra_fields()
+    print(f"pooled NUTS: {int(np.sum(extra['diverging']))} divergences, mean tree size "
+          f"{float(np.mean(extra['num_steps'])):.0f}", flush=True)
+    return unconstrained(guide, mcmc.get_samples())
+
+
+def errors(mean, cov, ref_mean, ref_sd) -> tuple[float, float]:
+    mean, cov = np.asarray(mean), np.asarray(cov)
+    sd = np.sqrt(np.diag(cov) if cov.ndim == 2 else cov)
+    return (float(np.max(np.abs(mean - ref_mean) / ref_sd)),
+            float(np.max(np.abs(sd / ref_sd - 1))))
+
+
+def curve(method, clients, rounds: int, seed: int, ref_mean, ref_sd, keep: int = 0, name=""):
+    """Per-round errors and seconds of a front, and the natural parameters of the last ``keep``
+    rounds' q."""
+    state = method.init(jax.random.key(seed), clients, n_groups=2)
+    rows, qs = [], []
+    for _ in range(rounds):
+        state, info = method.update(state)
+        m, c = g.to_moments(state.server.q)
+        me, se = errors(m, c, ref_mean, ref_sd)
+        row = {"round": info["round"], "mean_err": me, "sd_err": se, "seconds": info["seconds"],
+               "rejected": info["rejected"]}
+        for k in ("rhat", "ess", "mc_error"):
+            if k in info:
+                row[k] = float(np.nanmax(info[k]) if k != "ess" else np.nanmin(info[k]))
+        if "damping" in info:
+            row["damping"] = info["damping"]
+        if "rhat" in info:
+            r = np.asarray(info["rhat"], float)
+            row["rhat_median"] = float(np.nanmedian(r))
+            row["clients_mixed"] = int(np.sum(r < 1.05))
+        rows.append(row)
+        qs.append(state.server.q)
+        extra = "".join(f" {k} {row[k]:.3g}" for k in ("rhat", "rhat_median", "ess",
+                                                          "clients_mixed") if k in row)
+        print(f"  {name} round {row['round']}: mean err {me:.3f}, sd err {se:.3f}, "
+              f"{row['seconds']:.1f} s, rejected {row['rejected']}{extra}", flush=True)
+    return rows, qs[-keep:] if keep else []
+
+
+def averaged(qs) -> tuple[jax.Array, jax.Array]:
+    mean_nat = jax.tree_util.tree_map(lambda *x: jnp.mean(jnp.stack(x), 0), *qs)
+    return g.to_moments(mean_nat)
+
+
+def merges(clients, guide, num_warmup, num_samples, num_chains, seed, ref_mean, ref_sd):
+    """numpyro's parametric and consensus merges of the clients' subposteriors."""
+    K_ = clients.num_clients
+    solver = ep.TiltedNUTS(partial(model, n_groups=2), guide, num_warmup, num_samples,
+                           num_chains)
+    prior = guide._require_prior()
+    sub_prior = g.scale(prior, 1.0 / K_)
+    t0 = time.perf_counter()
+    draws = jax.jit(jax.vmap(lambda d, m, k: solver.draws(sub_prior, prior, d, m, k)))(
+        clients.stacked, clients.mask, jax.random.split(jax.random.key(seed), K_))
+    # (K, chains, samples, D + d): the global coordinates first, the local sites dropped
+    draws = np.asarray(draws)[..., :guide._require_setup().dim]
+    seconds = time.perf_counter() - t0
+    rhat = float(np.max(np.asarray(jax.vmap(ep.split_rhat)(jnp.asarray(draws)))))
+    subs = [d.reshape(-1, d.shape[-1]) for d in draws]
+    out = {}
+    m, c = parametric(subs)
+    out["parametric"] = dict(zip(("mean_err", "sd_err"), errors(m, c, ref_mean, ref_sd),
+                                 strict=True), seconds=seconds, max_rhat=rhat)
+    merged = np.asarray(consensus(subs, num_draws=len(subs[0])))
+    out["consensus"] = dict(zip(("mean_err", "sd_err"),
+                                errors(merged.mean(0), np.cov(merged.T), ref_mean, ref_sd),
+                                strict=True), seconds=seconds, max_rhat=rhat)
+    return out
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--seeds", type=int, default=1)
+    ap.add_argument("--rounds", type=int, default=20, help="EP's rounds")
+    ap.add_argument("--pvi-rounds", type=int, default=None, help="PVI's (default: --rounds)")
+    ap.add_argument("--num-warmup", type=int, default=300, help="EP's NUTS (fedppl's default)")
+    ap.add_argument("--num-samples", type=int, default=500, help="EP's NUTS (fedppl's default)")
+    ap.add_argument("--num-chains", type=int, default=4)
+    ap.add_argument("--damping", default="decaying",
+                    help="EP's damping: 'decaying' (fedppl's default, ep-stan's schedule: 0.5 "
+                         "towards min(1/K, 0.2) = 0.04) or a number in (0, 1]")
+    ap.add_argument("--max-rhat", type=float, default=1.05,
+                    help="EP: a client whose tilted r-hat exceeds this skips its update "
+                         "(fedppl's default 1.05; inf: every client updates)")
+    ap.add_argument("--merge-warmup", type=int, default=None, help="default: --num-warmup")
+    ap.add_argument("--merge-samples", type=int, default=None, help="default: --num-samples")
+    ap.add_argument("--ref-warmup", type=int, default=1000)
+    ap.add_argument("--ref-samples", type=int, default=2000)
+    ap.add_argument("--no-pvi", action="store_true")
+    ap.add_argument("--no-merges", action="store_true")
+    ap.add_argument("--quick", action="store_true")
+    ap.add_argument("--out", default="benchmarks/results/ep_hierarchical.json")
+    args = ap.parse_args()
+    if args.quick:
+        args.rounds, args.num_warmup, args.num_samples = 2, 100, 100
+        args.ref_warmup, args.ref_samples = 200, 200
+    args.pvi_rounds = args.rounds if args.pvi_rounds is None else args.pvi_rounds
+    args.merge_warmup = args.num_warmup if args.merge_warmup is None else args.merge_warmup
+    args.merge_samples = args.num_samples if args.merge_samples is None else args.merge_samples
+    warnings.simplefilter("ignore", RuntimeWarning)  # the round log's notes, kept in the JSON
+    results: dict = {
+        "settings": vars(args) | {"groups": J, "inputs": D, "per_group": N_PER_GROUP,
+                                  "clients": K},
+        "machine": {"platform": platform.platform(), "cpu_count": os.cpu_count(),
+                    "jax": jax.__version__, "numpyro": numpyro.__version__,
+                    "float64": bool(jax.config.jax_enable_x64)},
+        "seeds": []}
+    t_all = time.perf_counter()
+
+    def save():  # after every method: a partial run leaves its numbers
+        results["wall_seconds"] = time.perf_counter() - t_all
+        Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+        with open(args.out, "w") as f:
+            json.dump(results, f, indent=1)
+
+    for seed in range(args.seeds):
+        pooled, truth, clients = simulate(seed)
+        guide = fedppl.PVIGuide(model, GLOBAL, family="fullrank").setup(*clients.client(0),
+                                                                         n_groups=2)
+        assert [s.name for s in guide._require_setup().sites] == list(GLOBAL)
+        t0 = time.perf_counter()
+        ref = pooled_nuts(pooled, guide, seed, args.ref_samples, args.ref_warmup)
+        ref_seconds = time.perf_counter() - t0
+        ref_mean, ref_sd = ref.mean(0), ref.std(0, ddof=1)
+        run: dict = {"seed": seed, "pooled_nuts_seconds": ref_seconds,
+                     "truth": {k: v.tolist() for k, v in truth.items()},
+                     "reference": {"mean": ref_mean.tolist(), "sd": ref_sd.tolist()},
+                     "methods": {}, "merges": {}}
+        results["seeds"].append(run)
+        print(f"seed {seed}: pooled NUTS {ref_seconds:.0f} s; posterior sd of mu "
+              f"{ref_sd[:21].min():.2f}-{ref_sd[:21].max():.2f}, of log sigma "
+              f"{ref_sd[21:].min():.2f}-{ref_sd[21:].max():.2f}", flush=True)
+        if not args.no_merges:
+            run["merges"] = merges(clients, guide, args.merge_warmup, args.merge_samples,
+                                   args.num_chains, seed, ref_mean, ref_sd)
+            print("  merges:", run["merges"], flush=True)
+            save()
+        method = fedppl.EP(model, fedppl.PVIGuide(model, GLOBAL, family="fullrank"),
+                           num_warmup=args.num_warmup, num_samples=args.num_samples,
+                           num_chains=args.num_chains, max_rhat=args.max_rhat,
+                           damping=(args.damping if args.damping == "decaying"
+                                    else float(args.damping)))
+        rows, last = curve(method, clients, args.rounds, seed, ref_mean, ref_sd, keep=5,
+                           name="EP")
+        run["methods"]["EP"] = rows
+        me, se = errors(*averaged(last), ref_mean, ref_sd)
+        run["methods"]["EP avg5"] = [{"round": rows[-1]["round"], "mean_err": me,
+                                      "sd_err": se, "seconds": float("nan")}]
+        save()
+        if not args.no_pvi:
+            pvi = fedppl.PVI(model, fedppl.PVIGuide(model, GLOBAL, family="fullrank"),
+                             elbo_samples=0)
+            run["methods"]["PVI"] = curve(pvi, clients, args.pvi_rounds, seed, ref_mean,
+                                          ref_sd, name="PVI")[0]
+            save()
+        table(run, args)
+    save()
+    print(f"wrote {args.out} ({results['wall_seconds']:.0f} s)")
+
+
+def table(run: dict, args) -> None:
+    print(f"\nseed {run['seed']}: J = {J} groups, D = {D}, {N_PER_GROUP} obs/group, K = {K} "
+          f"clients; EP {args.num_chains} x {args.num_samples} draws ({args.num_warmup} warm-up) "
+          f"per client, damping {args.damping}, max r-hat {args.max_rhat}; "
+          f"pooled NUTS 4 x {args.ref_samples} "
+          f"({run['pooled_nuts_seconds']:.0f} s)")
+    print("| method | round | worst mean err (sd) | worst sd err | s/round (median, excl. 1st) |")
+    print("|---|---|---|---|---|")
+    for name, rows in run["methods"].items():
+        secs = np.median([r["seconds"] for r in rows[1:]]) if len(rows) > 1 else float("nan")
+        first_ok = next((r["round"] for r in rows if r["mean_err"] <= 0.1
+                         and r["sd_err"] <= 0.1), None)
+        for row in [r for r in rows if r["round"] in (1, 2, 5, 10, 15) or r is rows[-1]]:
+            print(f"| {name} | {row['round']} | {row['mean_err']:.3f} | {row['sd_err']:.3f} | "
+                  f"{secs:.2f} |")
+        print(f"| {name}: first round within 0.1 / 10% | {first_ok} | | | |")
+    for name, m in run["merges"].items():
+        print(f"| {name} (one shot; {args.num_chains} x {args.merge_samples}) | - | "
+              f"{m['mean_err']:.3f} | {m['sd_err']:.3f} | {m['seconds']:.1f} (total) |")
+
+
+if __name__ == "__main__":
+    main()
