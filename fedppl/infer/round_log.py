@@ -53,7 +53,10 @@ class RoundLog:
         if len(slow) and hasattr(msgs, "rhat"):  # EP: a sampler that did not mix
             rhat = np.asarray(msgs.rhat)[slow]
             _warn(f"round {r + 1}: the chains of {self._list(slow)} did not mix (largest split "
-                  f"r-hat {np.nanmax(rhat):.3g}); their updates were skipped")
+                  f"r-hat {np.nanmax(rhat):.3g}); their updates were skipped"
+                  + ("; no client moved q, and the next round samples the same cavities: raise "
+                     "num_warmup or num_samples, start from other factors (a one-shot's or "
+                     "PVI's), or raise max_rhat" if len(slow) == int(np.sum(active)) else ""))
         elif len(slow):
             iters = np.asarray(msgs.iterations)[slow]
             _warn(f"round {r + 1}: the local steps of {self._list(slow)} did not converge (after "
