@@ -25,10 +25,12 @@ Methods: ``EP`` (:class:`fedppl.EP`, full-rank sites, synchronous, default decay
 tilted distributions over each client's ``(theta, z_k)``: 42 + 42 coordinates), also with the
 average of q's natural parameters over its last 5 rounds (``EP avg5``); ``PVI``
 (:class:`fedppl.PVI` with a full-rank guide and its defaults: sequential, damping 1,
-natural-gradient local step, each client's joint Gaussian over ``(theta, z_k)``); numpyro's
+natural-gradient local step, each client's joint Gaussian over ``(theta, z_k)``); the
 one-shot ``consensus`` and ``parametric`` merges of the clients' subposteriors
-``p(theta)^(1/K) p(y_k | theta)`` (the prior's Gaussian in the unconstrained space to the power
-``1 / K``), sampled by the same NUTS as EP's tilted distributions (local sites jointly, dropped).
+``p(theta)^(1/K) p(y_k | theta)`` (:class:`fedppl.OneShot`: the prior's Gaussian in the
+unconstrained space to the power ``1 / K``, sampled by the same NUTS as EP's tilted
+distributions, local sites jointly; the committed JSON's merges were measured with an earlier
+hand-written call of numpyro's ``hmc_util`` merges on the same subposterior draws).
 
 Measured (seed 0, 2-core CPU shared with another job, ``--rounds 10 --pvi-rounds 8
 --num-warmup 300 --num-samples 300 --max-rhat inf --ref-warmup 500 --ref-samples 1500``):
@@ -54,9 +56,9 @@ import argparse
 import json
 import os
 import platform
+import sys
 import time
 import warnings
-from functools import partial
 from pathlib import Path
 
 import jax
@@ -65,11 +67,12 @@ import numpy as np
 import numpyro
 import numpyro.distributions as dist
 from numpyro.infer import MCMC, NUTS
-from numpyro.infer.hmc_util import consensus, parametric
 
 import fedppl
-from fedppl.algorithms import ep
 from fedppl.families import gaussian as g
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from ep_vs_pvi import averaged, curve, errors
 
 jax.config.update("jax_enable_x64", True)
 
@@ -133,71 +136,22 @@ def pooled_nuts(pooled, guide, seed: int, num_samples: int, num_warmup: int) -> 
     return unconstrained(guide, mcmc.get_samples())
 
 
-def errors(mean, cov, ref_mean, ref_sd) -> tuple[float, float]:
-    mean, cov = np.asarray(mean), np.asarray(cov)
-    sd = np.sqrt(np.diag(cov) if cov.ndim == 2 else cov)
-    return (float(np.max(np.abs(mean - ref_mean) / ref_sd)),
-            float(np.max(np.abs(sd / ref_sd - 1))))
-
-
-def curve(method, clients, rounds: int, seed: int, ref_mean, ref_sd, keep: int = 0, name=""):
-    """Per-round errors and seconds of a front, and the natural parameters of the last ``keep``
-    rounds' q."""
-    state = method.init(jax.random.key(seed), clients, n_groups=2)
-    rows, qs = [], []
-    for _ in range(rounds):
-        state, info = method.update(state)
-        m, c = g.to_moments(state.server.q)
-        me, se = errors(m, c, ref_mean, ref_sd)
-        row = {"round": info["round"], "mean_err": me, "sd_err": se, "seconds": info["seconds"],
-               "rejected": info["rejected"]}
-        for k in ("rhat", "ess", "mc_error"):
-            if k in info:
-                row[k] = float(np.nanmax(info[k]) if k != "ess" else np.nanmin(info[k]))
-        if "damping" in info:
-            row["damping"] = info["damping"]
-        if "rhat" in info:
-            r = np.asarray(info["rhat"], float)
-            row["rhat_median"] = float(np.nanmedian(r))
-            row["clients_mixed"] = int(np.sum(r < 1.05))
-        rows.append(row)
-        qs.append(state.server.q)
-        extra = "".join(f" {k} {row[k]:.3g}" for k in ("rhat", "rhat_median", "ess",
-                                                          "clients_mixed") if k in row)
-        print(f"  {name} round {row['round']}: mean err {me:.3f}, sd err {se:.3f}, "
-              f"{row['seconds']:.1f} s, rejected {row['rejected']}{extra}", flush=True)
-    return rows, qs[-keep:] if keep else []
-
-
-def averaged(qs) -> tuple[jax.Array, jax.Array]:
-    mean_nat = jax.tree_util.tree_map(lambda *x: jnp.mean(jnp.stack(x), 0), *qs)
-    return g.to_moments(mean_nat)
-
-
-def merges(clients, guide, num_warmup, num_samples, num_chains, seed, ref_mean, ref_sd):
-    """numpyro's parametric and consensus merges of the clients' subposteriors."""
-    K_ = clients.num_clients
-    solver = ep.TiltedNUTS(partial(model, n_groups=2), guide, num_warmup, num_samples,
-                           num_chains)
-    prior = guide._require_prior()
-    sub_prior = g.scale(prior, 1.0 / K_)
+def merges(clients, num_warmup, num_samples, num_chains, seed, ref_mean, ref_sd):
+    """The one-shot consensus and parametric merges (:class:`fedppl.OneShot`, one sampled run:
+    consensus is its q, parametric the product of its sites). Every client's subposterior
+    enters, mixed or not (``max_rhat=inf``), as numpyro's merges take them."""
+    shot = fedppl.OneShot(model, fedppl.PVIGuide(model, GLOBAL, family="fullrank"), "consensus",
+                          num_warmup=num_warmup, num_samples=num_samples, num_chains=num_chains,
+                          max_rhat=float("inf"))
     t0 = time.perf_counter()
-    draws = jax.jit(jax.vmap(lambda d, m, k: solver.draws(sub_prior, prior, d, m, k)))(
-        clients.stacked, clients.mask, jax.random.split(jax.random.key(seed), K_))
-    # (K, chains, samples, D + d): the global coordinates first, the local sites dropped
-    draws = np.asarray(draws)[..., :guide._require_setup().dim]
+    res = shot.run(jax.random.key(seed), clients, n_groups=2)
     seconds = time.perf_counter() - t0
-    rhat = float(np.max(np.asarray(jax.vmap(ep.split_rhat)(jnp.asarray(draws)))))
-    subs = [d.reshape(-1, d.shape[-1]) for d in draws]
-    out = {}
-    m, c = parametric(subs)
-    out["parametric"] = dict(zip(("mean_err", "sd_err"), errors(m, c, ref_mean, ref_sd),
-                                 strict=True), seconds=seconds, max_rhat=rhat)
-    merged = np.asarray(consensus(subs, num_draws=len(subs[0])))
-    out["consensus"] = dict(zip(("mean_err", "sd_err"),
-                                errors(merged.mean(0), np.cov(merged.T), ref_mean, ref_sd),
-                                strict=True), seconds=seconds, max_rhat=rhat)
-    return out
+    rhat = float(np.nanmax(res.history["rhat"]))
+    sites = jax.tree_util.tree_map(lambda x: x.sum(0), res.factors)
+    return {name: dict(zip(("mean_err", "sd_err"), errors(*g.to_moments(q), ref_mean, ref_sd),
+                           strict=True), seconds=seconds, max_rhat=rhat)
+            for name, q in (("parametric", g.product(shot.guide.prior, sites)),
+                            ("consensus", res.q))}
 
 
 def main() -> None:
@@ -263,7 +217,7 @@ def main() -> None:
               f"{ref_sd[:21].min():.2f}-{ref_sd[:21].max():.2f}, of log sigma "
               f"{ref_sd[21:].min():.2f}-{ref_sd[21:].max():.2f}", flush=True)
         if not args.no_merges:
-            run["merges"] = merges(clients, guide, args.merge_warmup, args.merge_samples,
+            run["merges"] = merges(clients, args.merge_warmup, args.merge_samples,
                                    args.num_chains, seed, ref_mean, ref_sd)
             print("  merges:", run["merges"], flush=True)
             save()
@@ -273,7 +227,7 @@ def main() -> None:
                            damping=(args.damping if args.damping == "decaying"
                                     else float(args.damping)))
         rows, last = curve(method, clients, args.rounds, seed, ref_mean, ref_sd, keep=5,
-                           name="EP")
+                           name="EP", n_groups=2)
         run["methods"]["EP"] = rows
         me, se = errors(*averaged(last), ref_mean, ref_sd)
         run["methods"]["EP avg5"] = [{"round": rows[-1]["round"], "mean_err": me,
@@ -283,7 +237,7 @@ def main() -> None:
             pvi = fedppl.PVI(model, fedppl.PVIGuide(model, GLOBAL, family="fullrank"),
                              elbo_samples=0)
             run["methods"]["PVI"] = curve(pvi, clients, args.pvi_rounds, seed, ref_mean,
-                                          ref_sd, name="PVI")[0]
+                                          ref_sd, name="PVI", n_groups=2)[0]
             save()
         table(run, args)
     save()

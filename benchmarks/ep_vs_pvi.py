@@ -104,11 +104,13 @@ def errors(mean, cov, ref_mean, ref_sd) -> tuple[float, float]:
 
 
 def curve(method, clients, rounds: int, seed: int, ref_mean, ref_sd, keep: int = 0,
-          factors=None, test=None):
-    """Per-round errors and seconds of a front (started from ``factors``, if given), and the
-    natural parameters of the last ``keep`` rounds' q; the last row has q's test
-    log-likelihood."""
-    state = method.init(jax.random.key(seed), clients, factors)
+          factors=None, test=None, name: str = "", **model_kwargs):
+    """Per-round errors and seconds of a front (started from ``factors``, if given; the model's
+    keyword arguments passed on), and the natural parameters of the last ``keep`` rounds' q;
+    the last row has q's test log-likelihood (with ``test``). EP's rows add its sampler's
+    worst r-hat, ESS and Monte Carlo error, the median r-hat, the clients that mixed and the
+    damping. ``name`` prints a line per round."""
+    state = method.init(jax.random.key(seed), clients, factors, **model_kwargs)
     rows, qs = [], []
     for _ in range(rounds):
         state, info = method.update(state)
@@ -116,11 +118,19 @@ def curve(method, clients, rounds: int, seed: int, ref_mean, ref_sd, keep: int =
         me, se = errors(m, c, ref_mean, ref_sd)
         row = {"round": info["round"], "mean_err": me, "sd_err": se, "seconds": info["seconds"],
                "rejected": info["rejected"]}
-        for k in ("rhat", "ess", "mc_error"):
-            if k in info:
-                row[k] = float(np.nanmax(info[k]) if k != "ess" else np.nanmin(info[k]))
+        if "rhat" in info:
+            rhat = np.asarray(info["rhat"], float)
+            row.update(rhat=float(np.nanmax(rhat)), rhat_median=float(np.nanmedian(rhat)),
+                       clients_mixed=int(np.nansum(info["converged"])),
+                       ess=float(np.nanmin(info["ess"])),
+                       mc_error=float(np.nanmax(info["mc_error"])), damping=info["damping"])
         rows.append(row)
         qs.append(state.server.q)
+        if name:
+            extra = "".join(f" {k} {row[k]:.3g}" for k in ("rhat", "rhat_median", "ess",
+                                                              "clients_mixed") if k in row)
+            print(f"  {name} round {row['round']}: mean err {me:.3f}, sd err {se:.3f}, "
+                  f"{row['seconds']:.1f} s, rejected {row['rejected']}{extra}", flush=True)
     if test is not None:
         rows[-1]["test_ll"] = q_test_log_lik(method.guide, state.server.q, test)
     return rows, qs[-keep:] if keep else []
@@ -132,26 +142,32 @@ def averaged(qs) -> tuple[jax.Array, jax.Array]:
 
 
 def one_shots(clients, num_warmup, num_samples, num_chains, seed, ref_mean, ref_sd, test):
-    """fedppl.OneShot's Laplace, parametric and consensus merges of the clients'
-    subposteriors ``p(theta)^(1/K) p(y_k | theta)``: errors, test log-likelihood, seconds (with
+    """fedppl.OneShot's merges of the clients' subposteriors ``p(theta)^(1/K) p(y_k | theta)``:
+    Laplace, and from one sampled run both consensus (its q) and parametric (the product of its
+    sites, the Gaussians of the same draws): errors, test log-likelihood, seconds (with
     compiling), and the Laplace sites (to start EP and PVI from)."""
     out, sites = {}, None
-    for method in ("laplace", "parametric", "consensus"):
+    for method in ("laplace", "consensus"):
         shot = fedppl.OneShot(model, fedppl.PVIGuide(model, family="fullrank"), method,
                               num_warmup=num_warmup, num_samples=num_samples,
                               num_chains=num_chains)
         t0 = time.perf_counter()
         res = shot.run(jax.random.key(seed), clients)
         seconds = time.perf_counter() - t0
-        m, c = res.mean_and_cov()
-        me, se = errors(m, c, ref_mean, ref_sd)
-        theta = (np.asarray(res.draws) if res.draws is not None else
-                 np.asarray(g.sample(jax.random.key(seed), res.q, 2000)))
-        out[method] = {"mean_err": me, "sd_err": se, "seconds": seconds,
-                       "test_ll": test_log_lik(shot.guide, theta, test)}
+        product = g.product(shot.guide.prior, jax.tree_util.tree_map(lambda x: x.sum(0),
+                                                                     res.factors))
+        for name, q, theta in (
+                (method, res.q, res.draws),
+                *([("parametric", product, None)] if method == "consensus" else [])):
+            m, c = g.to_moments(q)
+            me, se = errors(m, c, ref_mean, ref_sd)
+            if theta is None:
+                theta = g.sample(jax.random.key(seed), q, 2000)
+            out[name] = {"mean_err": me, "sd_err": se, "seconds": seconds,
+                         "test_ll": test_log_lik(shot.guide, np.asarray(theta), test)}
         if method == "laplace":
             sites = res.factors
-    return out, sites
+    return {k: out[k] for k in ("laplace", "parametric", "consensus")}, sites
 
 
 def converged_round(rows, target=None) -> int | None:

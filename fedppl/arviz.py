@@ -46,8 +46,9 @@ def to_inference_data(result: PVIResult, rng_key=None, num_samples: int = 1000):
 
     The factors are exported as their natural parameters over the flat unconstrained vector
     (``factor_nat1``, ``factor_prec``), since a factor need not be a normalisable distribution.
-    An EP result adds each client's last-round sampler statistics, ``tilted_rhat``,
-    ``tilted_ess`` and ``tilted_mc_error`` (dimension ``client``), to ``constant_data``.
+    The history entries a result names in ``client_stats`` (EP: its sampler's ``rhat``, ``ess``
+    and ``mc_error``) go to ``constant_data`` as ``last_<name>``, the last round's value per
+    client (dimension ``client``).
     """
     az = _arviz()
     rng_key = jax.random.key(0) if rng_key is None else rng_key
@@ -64,11 +65,11 @@ def to_inference_data(result: PVIResult, rng_key=None, num_samples: int = 1000):
     if result.local is not None:
         for site in result.guide.local_layout.sites:
             dims[site.name] = ["client"] + [f"{site.name}_dim_{i}" for i in range(len(site.shape))]
-    for key in ("rhat", "ess", "mc_error"):  # EP: the last round's sampler statistics
+    for key in result.client_stats:  # per-client statistics of the last round
         values = result.history.get(key)
         if values is not None and len(values):
-            constant[f"tilted_{key}"] = np.asarray(values[-1])
-            dims[f"tilted_{key}"] = ["client"]
+            constant[f"last_{key}"] = np.asarray(values[-1])
+            dims[f"last_{key}"] = ["client"]
     idata = az.from_dict(posterior=draws, constant_data=constant, coords=coords, dims=dims)
     fe = result.history.get("free_energy")
     if fe is not None and len(fe):

@@ -24,7 +24,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass, fields
-from typing import Any, cast
+from typing import Any, ClassVar, cast
 
 import jax.numpy as jnp
 import numpy as np
@@ -67,6 +67,8 @@ class EPResult(PVIResult):
     ``damping`` (rounds) the damping each round used. ``free_energy`` is NaN (EP has none);
     ``converged`` is whether r-hat stayed below ``max_rhat``; ``local_iterations`` the draws
     (chains times samples)."""
+
+    client_stats: ClassVar[tuple[str, ...]] = ("rhat", "ess", "mc_error")
 
 
 class EP(PVI):

@@ -26,7 +26,7 @@ import warnings
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from functools import partial
-from typing import Any
+from typing import Any, ClassVar
 
 import jax
 import jax.numpy as jnp
@@ -77,6 +77,8 @@ class PVIResult(Result):
     # a private run's guarantee: per-client ``epsilon``, ``worst_epsilon``, ``delta``,
     # ``noise_multiplier`` (see fedppl.algorithms.dp_pvi); None for a non-private run
     privacy: dict[str, Any] | None = None
+    # history entries (rounds, K) that to_arviz exports per client for the last round
+    client_stats: ClassVar[tuple[str, ...]] = ()
 
     def summary(self) -> dict[str, Any]:
         out = super().summary()

@@ -199,8 +199,8 @@ def test_local_sites_sampled_at_the_client_and_kept_there():
     assert set(draws) == {"mu", "w", "a"} and draws["a"].shape == (1000, 1)
     pytest.importorskip("arviz")
     idata = res.to_arviz(num_samples=50)
-    assert idata.constant_data["tilted_rhat"].dims == ("client",)
-    np.testing.assert_array_equal(idata.constant_data["tilted_ess"], res.history["ess"][-1])
+    assert idata.constant_data["last_rhat"].dims == ("client",)
+    np.testing.assert_array_equal(idata.constant_data["last_ess"], res.history["ess"][-1])
 
 
 def shrinkage(X, y=None):
