@@ -165,6 +165,8 @@ def main() -> None:
     ap.add_argument("--damping", default="decaying",
                     help="EP's damping: 'decaying' (fedppl's default, ep-stan's schedule: 0.5 "
                          "towards min(1/K, 0.2) = 0.04) or a number in (0, 1]")
+    ap.add_argument("--estimator", default="sample", choices=("sample", "stein"),
+                    help="EP's tilted-moment estimator")
     ap.add_argument("--max-rhat", type=float, default=1.05,
                     help="EP: a client whose tilted r-hat exceeds this skips its update "
                          "(fedppl's default 1.05; inf: every client updates)")
@@ -224,6 +226,7 @@ def main() -> None:
         method = fedppl.EP(model, fedppl.PVIGuide(model, GLOBAL, family="fullrank"),
                            num_warmup=args.num_warmup, num_samples=args.num_samples,
                            num_chains=args.num_chains, max_rhat=args.max_rhat,
+                           estimator=args.estimator,
                            damping=(args.damping if args.damping == "decaying"
                                     else float(args.damping)))
         rows, last = curve(method, clients, args.rounds, seed, ref_mean, ref_sd, keep=5,

@@ -21,7 +21,12 @@ Client ``k`` (power ``alpha`` in (0, 1]; ``alpha = 1`` is plain EP):
    effective sample size of the squared centred draws over the coordinates (clipped to
    ``[2 D + 10, n]``); NUTS's is about half of ``n``, and taking ``m = n`` left a 1% bias per
    site (``D = 31, n = 4000``), 5% in the sds of ``q`` at ``K = 10``. No shrinkage. ``n`` must
-   be at least ``2 D + 10`` (:func:`check_draws`);
+   be at least ``2 D + 10`` (:func:`check_draws`). With ``estimator="stein"`` the moments come
+   from the gradients and Hessians of the client's likelihood at the draws instead
+   (:func:`stein_moments`), whose noise scales with the site, not the cavity, along the
+   directions where the site is weaker than the cavity, and from the draws along the rest
+   (:func:`blend_moments`): with many clients the sampled sites' noise, summed in ``q``, is
+   what the sample moments cannot get below;
 4. new site ``t_k' = (q_tilted / q_{\\k})^(1 / alpha)``, damped ``t_k'' = t_k^(1 - rho) t_k'^rho``;
    the message (:class:`EPMessage`) is ``delta_k = t_k'' / t_k`` with the sampler's diagnostics:
    the largest split r-hat and smallest effective sample size over the global coordinates and
@@ -81,7 +86,8 @@ from fedppl.guides.pvi_guide import PVIGuide
 from fedppl.handlers.client import client
 
 __all__ = ["TiltedMoments", "TiltedNUTS", "ExactTilted", "EPMessage", "client_update",
-           "make_trio", "check_draws", "moments_from_draws", "split_rhat",
+           "make_trio", "check_draws", "moments_from_draws", "log_factor", "stein_moments",
+           "blend_moments", "split_rhat",
            "effective_sample_size", "decaying_damping", "local_conditional"]
 
 Damping = float | Callable[[Array], Array]
@@ -127,7 +133,8 @@ class TiltedSolver(Protocol):
     def max_rhat(self) -> float: ...
 
     def moments(self, cavity: g.Gaussian, q: g.Gaussian, data: tuple, mask: Array,
-                rng_key: Array, alpha: float = 1.0) -> TiltedMoments: ...
+                rng_key: Array, alpha: float = 1.0, local: g.Conditional | None = None
+                ) -> TiltedMoments: ...
 
 
 # -- the estimators --------------------------------------------------------------------------------
@@ -186,6 +193,119 @@ def moments_from_draws(theta: Array, diag: bool, num_eff: Array | float | None =
     return g.scale(full, (m - D - 2) / (m - 1))
 
 
+def log_factor(model: Callable, guide: PVIGuide, data: tuple, mask: Array, alpha: float = 1.0,
+               share: Callable[[Array], Array] | None = None) -> Callable[[Array], Array]:
+    """``phi -> alpha * [log p(y_k, z_k | theta) + share(theta)]``: what a client's tilted
+    distribution adds to its cavity, at the flat ``phi = (theta, z_k)`` (``share``: its part of
+    a non-Gaussian prior's correction)."""
+    D = guide._require_setup().dim
+    log_lik: Callable[..., Array] = log_lik_fn(model, guide, data, mask)
+
+    def log_f(phi: Array) -> Array:
+        own = log_lik(phi) if share is None else log_lik(phi) + share(phi[:D])
+        return alpha * own
+
+    return log_f
+
+
+STRONG = 0.5  # a direction where the tilted variance falls below this share of the cavity's
+
+
+def stein_moments(cavity: g.Gaussian, joint: Array, log_factor: Callable[[Array], Array],
+                  D: int) -> tuple[Array, Array, Array]:
+    """The tilted mean and covariance from the gradients and Hessians of the client's log factor
+    ``f`` (likelihood to the power alpha, with local sites and prior share) at joint draws
+    ``(chains, samples, D + d)`` of ``(theta, z)``, by Stein's identities for a tilted
+    distribution ``N(theta; m, S) f(theta, z)``:
+
+    ``mean = m + S E[g]``, ``cov = S + S (E[H] + Cov[g]) S``, with ``g`` and ``H`` the gradient
+    and Hessian of ``log f`` in ``theta`` (integration by parts in ``theta``, for each ``z``).
+
+    What the sample moments estimate as ``S`` plus a small difference, these estimate as the
+    difference itself: along a direction where the site holds a share ``s`` of the cavity's
+    precision, their relative error in the tilted variance grows as ``s`` where the sample
+    covariance's is the same for every ``s``. So they win where the site is weak against its
+    cavity (many clients with little data each) and lose where it dominates;
+    :func:`blend_moments` takes each from where it wins. The cost is a ``D``-column Hessian per
+    draw. Also returns the largest Monte Carlo standard error of the mean in tilted sds (the
+    ``ESS`` of each coordinate of ``S g``)."""
+    m, S = g.to_moments(g.to_full(cavity))
+
+    def at(phi):
+        def f(theta):
+            return log_factor(jnp.concatenate([theta, phi[D:]]))
+        return jax.grad(f)(phi[:D]), jax.hessian(f)(phi[:D])
+
+    def chain(h_sum, x):  # one chain at a time: the Hessians are summed, never all kept
+        grads, hess = jax.vmap(at)(x)
+        return h_sum + jnp.sum(hess, axis=0), grads
+
+    h_sum, grads = jax.lax.scan(chain, jnp.zeros((D, D), joint.dtype), joint)
+    n = grads.shape[0] * grads.shape[1]
+    flat = grads.reshape(n, D)
+    mean_g = jnp.mean(flat, axis=0)
+    cov_g = (flat - mean_g).T @ (flat - mean_g) / (n - 1)
+    A = h_sum / n + cov_g
+    mean = m + S @ mean_g
+    cov = S + S @ (0.5 * (A + A.T)) @ S
+    shifts = grads @ S  # (chains, samples, D): each draw's S g
+    sd = jnp.sqrt(jnp.clip(jnp.diagonal(cov), jnp.finfo(cov.dtype).tiny))
+    mc = jnp.sqrt(jnp.var(shifts, axis=(0, 1)) / effective_sample_size(shifts)) / sd
+    return mean, cov, jnp.max(mc)
+
+
+def blend_moments(cavity: g.Gaussian, stein: tuple[Array, Array], theta: Array,
+                  num_eff: Array | float, diag: bool) -> tuple[g.Gaussian, Array]:
+    """The tilted Gaussian from the draws ``theta`` ``(n, D)`` along the directions where the
+    site is strong against the cavity and from Stein's moments along the rest. In the cavity's
+    whitened coordinates the tilted covariance has eigenvalues ``1 / (1 + s)`` for a site
+    holding ``s`` of the cavity's precision along each eigenvector. The directions are those of
+    the sample covariance (its relative error is the same for every ``s``, so it tells strong
+    from weak reliably, where Stein's own grows with ``s``): the eigenvalues below
+    :data:`STRONG` (``s > 1``) keep the sample moments (their precision corrected as
+    :func:`moments_from_draws` does, for the block's dimension), the rest of the space takes
+    Stein's moments projected on it. The blocks do not mix. Where Stein's block is not positive
+    definite, or not finite, the sample moments are used everywhere. Per coordinate for a
+    diagonal family. Returns the Gaussian and the number of strong directions (``D`` for the
+    sample moments everywhere)."""
+    mc, Sc = g.to_moments(g.to_full(cavity))
+    st_mean, st_cov = stein
+    n = theta.shape[0]
+    sa_mean = jnp.mean(theta, axis=0)
+    centred = theta - sa_mean
+    sa_cov = centred.T @ centred / (n - 1)
+    finite = jnp.all(jnp.isfinite(st_cov)) & jnp.all(jnp.isfinite(st_mean))
+    if diag:
+        st_var, sa_var = jnp.diagonal(st_cov), jnp.diagonal(sa_cov)
+        strong = ~(sa_var >= STRONG * jnp.diagonal(Sc)) | ~(st_var > 0) | ~finite
+        prec = jnp.where(strong, (num_eff - 3) / (num_eff - 1) / sa_var, 1.0 / st_var)
+        mean = jnp.where(strong, sa_mean, st_mean)
+        return g.DiagGaussian(prec * mean, prec), jnp.sum(strong)
+    L = jnp.linalg.cholesky(Sc)
+
+    def white(C):  # L^-1 C L^-T
+        half = jax.scipy.linalg.solve_triangular(L, C, lower=True)
+        return jax.scipy.linalg.solve_triangular(L, half.T, lower=True)
+
+    lam, V = jnp.linalg.eigh(white(sa_cov))
+    strong = ~(lam >= STRONG)
+    Vw = V * ~strong
+    weak = Vw.T @ white(jnp.where(finite, st_cov, sa_cov)) @ Vw  # Stein's, on the weak space
+    ok = finite & (jnp.min(jnp.linalg.eigvalsh(weak + jnp.diag(strong.astype(weak.dtype))))
+                   > 0)
+    strong = strong | ~ok
+    Vt, Vw = V * strong, V * ~strong
+    k = jnp.sum(strong)
+    strong_block = (Vt * lam) @ Vt.T * (num_eff - 1) / (num_eff - k - 2)
+    cov_w = strong_block + Vw @ (Vw.T @ white(jnp.where(ok, st_cov, sa_cov)) @ Vw) @ Vw.T
+
+    def shift(x):  # whitened x - mc
+        return jax.scipy.linalg.solve_triangular(L, x - mc, lower=True)
+
+    mean_w = Vt @ (Vt.T @ shift(sa_mean)) + Vw @ (Vw.T @ shift(jnp.where(ok, st_mean, mc)))
+    return g.FullGaussian.from_moments(mc + L @ mean_w, L @ cov_w @ L.T), k
+
+
 def local_conditional(joint: Array, D: int) -> g.Conditional:
     """``q(z | theta)`` of the Gaussian fitted to joint draws ``(n, D + d)`` of ``(theta, z)``:
     the rows of its precision that belong to ``z`` (a client's private guide, as PVI keeps)."""
@@ -234,29 +354,36 @@ class TiltedNUTS(NamedTuple):
     chain_method: str = "sequential"
     prior_share: Callable[[Array], Array] | None = None
     keep_draws: bool = False
+    estimator: str = "sample"
+
+    def log_factor(self, data: tuple, mask: Array, alpha: float = 1.0
+                   ) -> Callable[[Array], Array]:
+        return log_factor(self.model, self.guide, data, mask, alpha, self.prior_share)
 
     def draws(self, cavity: g.Gaussian, q: g.Gaussian, data: tuple, mask: Array,
-              rng_key: Array, alpha: float = 1.0) -> Array:
+              rng_key: Array, alpha: float = 1.0, local: g.Conditional | None = None) -> Array:
         """The tilted draws of the global and local coordinates, ``(num_chains, num_samples,
-        D + d)``."""
+        D + d)``. With ``local`` (the client's ``q(z_k | theta)``, fitted to its last round's
+        joint draws) the chains start at draws of ``q(theta) q(z_k | theta)`` with its
+        covariance as the inverse mass matrix: the previous round's adaptation, carried over."""
         layout = self.guide._require_setup()
         D = layout.dim
         d = 0 if self.guide.local_layout is None else self.guide.local_layout.dim
-        log_lik: Callable[..., Array] = log_lik_fn(self.model, self.guide, data, mask)
-        share = self.prior_share
+        log_factor = self.log_factor(data, mask, alpha)
 
         def potential(phi):
-            own = log_lik(phi) if share is None else log_lik(phi) + share(phi[:D])
-            return -(g.log_prob(cavity, phi[:D]) + alpha * own)
+            return -(g.log_prob(cavity, phi[:D]) + log_factor(phi))
 
-        mean, cov = g.to_moments(g.to_full(q))
+        joint = g.to_full(q) if not d or local is None else g.join(q, local, False)
+        mean, cov = g.to_moments(joint)
         dtype = mean.dtype
-        inv_mass = jax.scipy.linalg.block_diag(cov, jnp.eye(d, dtype=dtype)) if d else cov
+        fresh = d and local is None  # local coordinates with nothing learnt yet: N(0, I)
+        inv_mass = jax.scipy.linalg.block_diag(cov, jnp.eye(d, dtype=dtype)) if fresh else cov
         if not self.dense_mass:
             inv_mass = jnp.diagonal(inv_mass)
         k_init, k_local, k_run = jax.random.split(rng_key, 3)
-        start = g.sample(k_init, q, self.num_chains)
-        if d:
+        start = g.sample(k_init, joint, self.num_chains)
+        if fresh:
             start = jnp.concatenate(
                 [start, jax.random.normal(k_local, (self.num_chains, d), dtype)], axis=1)
         init_kernel, sample_kernel = hmc(potential_fn=potential, algo="NUTS")
@@ -281,8 +408,9 @@ class TiltedNUTS(NamedTuple):
         return jax.lax.map(lambda a: chain(*a), (start, keys))
 
     def moments(self, cavity: g.Gaussian, q: g.Gaussian, data: tuple, mask: Array,
-                rng_key: Array, alpha: float = 1.0) -> TiltedMoments:
-        joint = self.draws(cavity, q, data, mask, rng_key, alpha)
+                rng_key: Array, alpha: float = 1.0, local: g.Conditional | None = None
+                ) -> TiltedMoments:
+        joint = self.draws(cavity, q, data, mask, rng_key, alpha, local)
         D = self.guide._require_setup().dim
         draws = joint[..., :D]
         ess = effective_sample_size(draws)
@@ -290,10 +418,17 @@ class TiltedNUTS(NamedTuple):
         squares = (draws - jnp.mean(draws, axis=(0, 1))) ** 2
         num_eff = jnp.clip(jnp.min(effective_sample_size(squares)), min(2 * D + 10, n), n)
         tilted = moments_from_draws(draws.reshape(-1, D), self.guide.diag, num_eff)
+        mc_error = jnp.max(1.0 / jnp.sqrt(ess))
+        if self.estimator == "stein":
+            st_mean, st_cov, mc_stein = stein_moments(
+                cavity, joint, self.log_factor(data, mask, alpha), D)
+            tilted, strong = blend_moments(cavity, (st_mean, st_cov), draws.reshape(-1, D),
+                                           num_eff, self.guide.diag)
+            mc_error = jnp.where(strong > 0, jnp.maximum(mc_stein, mc_error), mc_stein)
         local = (None if joint.shape[-1] == D else
                  local_conditional(joint.reshape(n, -1), D))
-        return TiltedMoments(tilted, jnp.max(split_rhat(draws)), jnp.min(ess),
-                             jnp.max(1.0 / jnp.sqrt(ess)), jnp.asarray(n), local,
+        return TiltedMoments(tilted, jnp.max(split_rhat(draws)), jnp.min(ess), mc_error,
+                             jnp.asarray(n), local,
                              draws.reshape(n, D) if self.keep_draws else None)
 
     def __call__(self, q_cavity, q, data, mask, rng_key) -> LocalResult:
@@ -312,7 +447,8 @@ class ExactTilted(NamedTuple):
     max_rhat: float = jnp.inf
 
     def moments(self, cavity: g.Gaussian, q: g.Gaussian, data: tuple, mask: Array,
-                rng_key: Array, alpha: float = 1.0) -> TiltedMoments:
+                rng_key: Array, alpha: float = 1.0, local: g.Conditional | None = None
+                ) -> TiltedMoments:
         layout = self.guide._require_setup()
         lik = conjugate.likelihood_terms(client(self.model, mask=mask), layout, *data)
         target = cast(g.FullGaussian, g.product(g.to_full(cavity),
@@ -339,7 +475,7 @@ def client_update(q: g.Gaussian, state: pvi.ClientState, data: tuple, mask: Arra
     its message is a zero change (``converged`` False, which the round log records) and it keeps
     its site and its local guide; the next round samples afresh from the same cavity."""
     cavity, repaired = g.repair(g.quotient(q, g.scale(state.factor, alpha)))
-    m = solver.moments(cavity, q, data, mask, rng_key, alpha)
+    m = solver.moments(cavity, q, data, mask, rng_key, alpha, state.local)
     site = g.scale(g.quotient(m.tilted, cavity), 1.0 / alpha)
     mixed = ~(m.rhat >= solver.max_rhat)  # NaN (a closed form) counts as mixed
     def keep(a, b):  # the update where the chains mixed, the old state where they did not

@@ -55,7 +55,6 @@ import optax
 from jax import Array
 
 from fedppl.algorithms import ep, pvi
-from fedppl.algorithms.natural_gradient import log_lik_fn
 from fedppl.algorithms.optimise import minimise
 from fedppl.algorithms.trio import Trio
 from fedppl.families import gaussian as g
@@ -79,15 +78,14 @@ class TiltedLaplace(NamedTuple):
     max_rhat: float = float("inf")
 
     def moments(self, cavity: g.Gaussian, q: g.Gaussian, data: tuple, mask: Array,
-                rng_key: Array, alpha: float = 1.0) -> ep.TiltedMoments:
+                rng_key: Array, alpha: float = 1.0, local: g.Conditional | None = None
+                ) -> ep.TiltedMoments:
         D = self.guide._require_setup().dim
         d = 0 if self.guide.local_layout is None else self.guide.local_layout.dim
-        log_lik: Callable[..., Array] = log_lik_fn(self.model, self.guide, data, mask)
-        share = self.prior_share
+        log_f = ep.log_factor(self.model, self.guide, data, mask, alpha, self.prior_share)
 
         def neg_log_density(phi: Array, _key=None) -> Array:
-            own = log_lik(phi) if share is None else log_lik(phi) + share(phi[:D])
-            return -(g.log_prob(cavity, phi[:D]) + alpha * own)
+            return -(g.log_prob(cavity, phi[:D]) + log_f(phi))
 
         mean = g.to_moments(g.to_full(q))[0]
         start = jnp.concatenate([mean, jnp.zeros(d, mean.dtype)])

@@ -54,6 +54,7 @@ class _Share:
         return self.weight * self.correction(theta)
 
 TILTED = ("nuts", "exact")
+ESTIMATORS = ("sample", "stein")
 
 
 @dataclass(kw_only=True)
@@ -89,12 +90,18 @@ class EP(PVI):
     :param damping: ``rho`` in (0, 1]; a function of the server's round counter (from 0) that
         JAX can trace, such as :func:`fedppl.algorithms.ep.decaying_damping`; or
         ``"decaying"`` (default): ep-stan's schedule, from 0.5 towards ``min(1 / K, 0.2)`` for ``K``
-        clients (rate 0.8 per round). The Monte Carlo noise of the sites sets a floor on q's
-        error that a constant damping keeps high: breast cancer, K = 10, 4 x 1000 draws, round
-        20, 3 seeds: worst sd error 0.10-0.12 at 0.5, 0.03-0.06 decaying
-        (``benchmarks/ep_vs_pvi.py``).
+        clients (rate 0.8 per round); with ``estimator="stein"`` from 0.5 towards 0.1 (rate 0.9)
+        whatever ``K``, since each site's noise shrinks with the site. The Monte Carlo noise of
+        the sites sets a floor on q's error that a constant damping keeps high: breast cancer,
+        K = 10, 4 x 1000 draws, round 20, 3 seeds: worst sd error 0.10-0.12 at 0.5, 0.03-0.06
+        decaying (``benchmarks/ep_vs_pvi.py``); a floor of ``1 / K`` leaves EP crawling at
+        ``K = 100`` once its sites are precise.
     :param num_warmup, num_samples, num_chains: NUTS per client and round; the draws,
         ``num_samples * num_chains``, must be at least ``2 D + 10`` for ``D`` global coordinates.
+        Each round's chains start at draws of ``q`` (with local sites: of ``q`` times the
+        client's ``q(z_k | theta)`` from its previous round) with that Gaussian's covariance as
+        the inverse mass matrix, which warm-up adapts further: the previous round's adaptation
+        carried over. The step size is found afresh.
     :param alpha: power EP's ``alpha`` in (0, 1]: the tilted distribution takes the likelihood to
         the power ``alpha``, the site update ``1 / alpha`` (1: plain EP).
     :param dense_mass: adapt a dense (True) or diagonal mass matrix in warm-up.
@@ -106,6 +113,16 @@ class EP(PVI):
         the global sites: to check the algebra).
     :param chain_method: ``"sequential"`` or ``"vectorized"`` chains (see
         :class:`~fedppl.algorithms.ep.TiltedNUTS`).
+    :param estimator: how the tilted moments are estimated from the draws: ``"sample"`` (their
+        mean and covariance, with the inverse-Wishart correction of the precision) or
+        ``"stein"`` (from the gradients and Hessians of the client's log likelihood at the
+        draws, by Stein's identities, :func:`fedppl.algorithms.ep.stein_moments`, along the
+        directions where the site is weaker than its cavity, and the sample moments along the
+        rest, :func:`fedppl.algorithms.ep.blend_moments`). Stein's estimate is noisy in
+        proportion to the client's own site rather than to the cavity, so it is the one for
+        many clients each holding little data: breast cancer, K = 100, where the sample
+        moments leave EP at 0.19 sd and 46% (``benchmarks/ep_vs_pvi.py``). It costs a Hessian
+        over the global coordinates per draw.
     :param elbo_samples: draws for a global ELBO of ``q`` per round (0, the default, skips it).
     :param clients_per_round, shrink_warning, max_divergence: as for :class:`fedppl.PVI`.
     """
@@ -117,7 +134,8 @@ class EP(PVI):
                  num_warmup: int = 300,
                  num_samples: int = 500, num_chains: int = 4, alpha: float = 1.0,
                  dense_mass: bool = True, max_rhat: float = 1.05, tilted: str = "nuts",
-                 chain_method: str = "sequential", elbo_samples: int = 0,
+                 chain_method: str = "sequential", estimator: str = "sample",
+                 elbo_samples: int = 0,
                  clients_per_round: int | None = None, shrink_warning: float = 2.0,
                  max_divergence: float = pvi.MAX_DIVERGENCE):
         if schedule not in SCHEDULES:
@@ -141,6 +159,8 @@ class EP(PVI):
         if chain_method not in ("sequential", "vectorized"):
             raise ValueError(f"chain_method must be 'sequential' or 'vectorized', got "
                              f"{chain_method!r}")
+        if estimator not in ESTIMATORS:
+            raise ValueError(f"estimator must be one of {ESTIMATORS}, got {estimator!r}")
         if not max_rhat > 1:
             raise ValueError(f"max_rhat must be > 1, got {max_rhat}")
         super().__init__(model, guide, schedule, first, conjugate=False,
@@ -154,6 +174,7 @@ class EP(PVI):
         self.num_warmup, self.num_samples = int(num_warmup), int(num_samples)
         self.num_chains, self.dense_mass = int(num_chains), bool(dense_mass)
         self.max_rhat, self.chain_method = float(max_rhat), chain_method
+        self.estimator = estimator
 
     def _prepare(self, clients: Clients, model_kwargs: dict) -> tuple[PVIGuide, _Share | None]:
         """The guide set up for these clients, and each client's share of the prior's
@@ -182,7 +203,8 @@ class EP(PVI):
             self._ep_solver = ep.TiltedNUTS(model, guide, self.num_warmup, self.num_samples,
                                             self.num_chains, self.dense_mass,
                                             max_rhat=self.max_rhat,
-                                            chain_method=self.chain_method, prior_share=share)
+                                            chain_method=self.chain_method, prior_share=share,
+                                            estimator=self.estimator)
         return cast(pvi.LocalSolver, self._ep_solver), None
 
     def _setup(self, rng_key: Array, clients: Clients, factors=None, resume=None,
@@ -192,8 +214,9 @@ class EP(PVI):
         solver, damping, K = self._ep_solver, self.ep_damping, clients.num_clients
         key = ("ep", solver, damping, K if isinstance(damping, str) else None)
         if key not in self._compiled:
-            rho = (ep.decaying_damping(0.5, min(1.0 / K, 0.2), 0.8)  # ep-stan's, for K clients
-                   if isinstance(damping, str) else damping)
+            rho = (damping if not isinstance(damping, str) else
+                   ep.decaying_damping(0.5, 0.1, 0.9) if self.estimator == "stein" else
+                   ep.decaying_damping(0.5, min(1.0 / K, 0.2), 0.8))  # ep-stan's, K clients
             self._compiled[key] = (ep.make_trio(solver, rho, self.guide._require_prior(),
                                                 alpha=self.alpha, schedule=self.schedule,
                                                 max_divergence=self.max_divergence), rho)
