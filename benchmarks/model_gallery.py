@@ -18,7 +18,7 @@ Run::
     python benchmarks/model_gallery.py --schedule synchronous --repeats 3
     python benchmarks/model_gallery.py --method ep --schedule synchronous --rounds 15 \
         --models logistic_laplace,hierarchical_logistic,negbin_regression \
-        --out benchmarks/results/model_gallery_ep.json
+        --out benchmarks/results/model_gallery_ep.json     # also --method ep-stein
 
 Prints a markdown table and writes JSON (machine, settings, one row per model) to ``--out``
 (default ``benchmarks/results/model_gallery.json``; ``model_gallery_quick.json`` with
@@ -56,18 +56,21 @@ NUM_ROUNDS, TOL, DAMPING, NUM_DRAWS = 30, 1e-8, 1.0, 20000
 def run_fedppl(entry: Entry, clients_arrays, model_kwargs: dict, schedule: str,
                num_rounds: int = NUM_ROUNDS, repeats: int = 1, method: str = "pvi") -> dict:
     """Federated PVI (or EP, ``method="ep"``: full-rank sites, its default NUTS and decaying
-    damping, ``num_rounds`` rounds) on the clients: global draws, client k's local draws, rounds
-    and seconds. ``repeats`` re-runs the same (already compiled) object to time it.
+    damping, ``num_rounds`` rounds; ``"ep-stein"``: with Stein's estimator) on the clients:
+    global draws, client k's local draws, rounds and seconds. ``repeats`` re-runs the same
+    (already compiled) object to time it.
     """
     import fedppl
     from fedppl.guides import PVIGuide
 
     clients = fedppl.Clients.from_list(clients_arrays)
-    family = "fullrank" if method == "ep" else entry.family
+    ep = method.startswith("ep")
+    family = "fullrank" if ep else entry.family
     guide = PVIGuide(entry.model, global_sites=entry.global_sites, family=family)
-    front = (fedppl.EP(entry.model, guide, schedule) if method == "ep" else
+    front = (fedppl.EP(entry.model, guide, schedule,
+                       estimator="stein" if method == "ep-stein" else "sample") if ep else
              fedppl.PVI(entry.model, guide, schedule=schedule, damping=DAMPING))
-    tol = None if method == "ep" else TOL  # EP's q moves by its Monte Carlo noise every round
+    tol = None if ep else TOL  # EP's q moves by its Monte Carlo noise every round
     runs = []
     for _ in range(max(1, repeats)):
         t0 = time.perf_counter()
@@ -203,8 +206,8 @@ def main(argv=None) -> None:
     p.add_argument("--schedule", choices=("sequential", "synchronous"), default="sequential")
     p.add_argument("--rounds", type=int, default=NUM_ROUNDS)
     p.add_argument("--repeats", type=int, default=1, help="fedppl runs to time (median)")
-    p.add_argument("--method", choices=("pvi", "ep"), default="pvi",
-                   help="fedppl.PVI (default) or fedppl.EP")
+    p.add_argument("--method", choices=("pvi", "ep", "ep-stein"), default="pvi",
+                   help="fedppl.PVI (default) or fedppl.EP (with estimator='stein')")
     p.add_argument("--data-seed", type=int, default=0)
     p.add_argument("--out", type=Path, default=None,
                    help=f"JSON path (default {OUT.name}, or {QUICK_OUT.name} with --quick)")
