@@ -276,9 +276,9 @@ def blend_moments(cavity: g.Gaussian, stein: tuple[Array, Array], theta: Array,
     sa_cov = centred.T @ centred / (n - 1)
     finite = jnp.all(jnp.isfinite(st_cov)) & jnp.all(jnp.isfinite(st_mean))
     if diag:
-        st_var, sa_var = jnp.diagonal(st_cov), jnp.diagonal(sa_cov)
-        strong = ~(sa_var >= STRONG * jnp.diagonal(Sc)) | ~(st_var > 0) | ~finite
-        prec = jnp.where(strong, (num_eff - 3) / (num_eff - 1) / sa_var, 1.0 / st_var)
+        st_var, sample = jnp.diagonal(st_cov), moments_from_draws(theta, True, num_eff)
+        strong = ~(jnp.diagonal(sa_cov) >= STRONG * jnp.diagonal(Sc)) | ~(st_var > 0) | ~finite
+        prec = jnp.where(strong, sample.prec, 1.0 / st_var)
         mean = jnp.where(strong, sa_mean, st_mean)
         return g.DiagGaussian(prec * mean, prec), jnp.sum(strong)
     L = jnp.linalg.cholesky(Sc)
@@ -288,21 +288,22 @@ def blend_moments(cavity: g.Gaussian, stein: tuple[Array, Array], theta: Array,
         return jax.scipy.linalg.solve_triangular(L, half.T, lower=True)
 
     lam, V = jnp.linalg.eigh(white(sa_cov))
+    W_stein = white(jnp.where(finite, st_cov, sa_cov))  # finite, so that 0 * W is 0
     strong = ~(lam >= STRONG)
     Vw = V * ~strong
-    weak = Vw.T @ white(jnp.where(finite, st_cov, sa_cov)) @ Vw  # Stein's, on the weak space
+    weak = Vw.T @ W_stein @ Vw  # Stein's, on the weak space (zero rows for the strong ones)
     ok = finite & (jnp.min(jnp.linalg.eigvalsh(weak + jnp.diag(strong.astype(weak.dtype))))
                    > 0)
     strong = strong | ~ok
     Vt, Vw = V * strong, V * ~strong
     k = jnp.sum(strong)
     strong_block = (Vt * lam) @ Vt.T * (num_eff - 1) / (num_eff - k - 2)
-    cov_w = strong_block + Vw @ (Vw.T @ white(jnp.where(ok, st_cov, sa_cov)) @ Vw) @ Vw.T
+    cov_w = strong_block + Vw @ (Vw.T @ W_stein @ Vw) @ Vw.T
 
     def shift(x):  # whitened x - mc
         return jax.scipy.linalg.solve_triangular(L, x - mc, lower=True)
 
-    mean_w = Vt @ (Vt.T @ shift(sa_mean)) + Vw @ (Vw.T @ shift(jnp.where(ok, st_mean, mc)))
+    mean_w = Vt @ (Vt.T @ shift(sa_mean)) + Vw @ (Vw.T @ shift(jnp.where(finite, st_mean, mc)))
     return g.FullGaussian.from_moments(mc + L @ mean_w, L @ cov_w @ L.T), k
 
 
@@ -361,18 +362,20 @@ class TiltedNUTS(NamedTuple):
         return log_factor(self.model, self.guide, data, mask, alpha, self.prior_share)
 
     def draws(self, cavity: g.Gaussian, q: g.Gaussian, data: tuple, mask: Array,
-              rng_key: Array, alpha: float = 1.0, local: g.Conditional | None = None) -> Array:
+              rng_key: Array, alpha: float = 1.0, local: g.Conditional | None = None,
+              log_f: Callable[[Array], Array] | None = None) -> Array:
         """The tilted draws of the global and local coordinates, ``(num_chains, num_samples,
         D + d)``. With ``local`` (the client's ``q(z_k | theta)``, fitted to its last round's
         joint draws) the chains start at draws of ``q(theta) q(z_k | theta)`` with its
-        covariance as the inverse mass matrix: the previous round's adaptation, carried over."""
+        covariance as the inverse mass matrix: the previous round's adaptation, carried over.
+        ``log_f``: the client's :func:`log_factor`, if the caller has built it already."""
         layout = self.guide._require_setup()
         D = layout.dim
         d = 0 if self.guide.local_layout is None else self.guide.local_layout.dim
-        log_factor = self.log_factor(data, mask, alpha)
+        own = self.log_factor(data, mask, alpha) if log_f is None else log_f
 
         def potential(phi):
-            return -(g.log_prob(cavity, phi[:D]) + log_factor(phi))
+            return -(g.log_prob(cavity, phi[:D]) + own(phi))
 
         joint = g.to_full(q) if not d or local is None else g.join(q, local, False)
         mean, cov = g.to_moments(joint)
@@ -410,21 +413,22 @@ class TiltedNUTS(NamedTuple):
     def moments(self, cavity: g.Gaussian, q: g.Gaussian, data: tuple, mask: Array,
                 rng_key: Array, alpha: float = 1.0, local: g.Conditional | None = None
                 ) -> TiltedMoments:
-        joint = self.draws(cavity, q, data, mask, rng_key, alpha, local)
+        log_f = self.log_factor(data, mask, alpha)
+        joint = self.draws(cavity, q, data, mask, rng_key, alpha, local, log_f)
         D = self.guide._require_setup().dim
         draws = joint[..., :D]
         ess = effective_sample_size(draws)
         n = self.num_chains * self.num_samples
         squares = (draws - jnp.mean(draws, axis=(0, 1))) ** 2
         num_eff = jnp.clip(jnp.min(effective_sample_size(squares)), min(2 * D + 10, n), n)
-        tilted = moments_from_draws(draws.reshape(-1, D), self.guide.diag, num_eff)
         mc_error = jnp.max(1.0 / jnp.sqrt(ess))
         if self.estimator == "stein":
-            st_mean, st_cov, mc_stein = stein_moments(
-                cavity, joint, self.log_factor(data, mask, alpha), D)
+            st_mean, st_cov, mc_stein = stein_moments(cavity, joint, log_f, D)
             tilted, strong = blend_moments(cavity, (st_mean, st_cov), draws.reshape(-1, D),
                                            num_eff, self.guide.diag)
             mc_error = jnp.where(strong > 0, jnp.maximum(mc_stein, mc_error), mc_stein)
+        else:
+            tilted = moments_from_draws(draws.reshape(-1, D), self.guide.diag, num_eff)
         local = (None if joint.shape[-1] == D else
                  local_conditional(joint.reshape(n, -1), D))
         return TiltedMoments(tilted, jnp.max(split_rhat(draws)), jnp.min(ess), mc_error,
