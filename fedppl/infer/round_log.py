@@ -1,6 +1,7 @@
 """What PVI's front tells the user after each round: refused and shrunk updates, repaired
 cavities, unconverged local steps and (once) a collapse of q's uncertainty, each naming the
-clients; the refusals are kept for the result."""
+clients; the refusals are kept for the result. The Pyro port's front uses it too: it reads
+the messages and Gaussians as NumPy arrays (JAX arrays, or torch tensors detached first)."""
 
 from __future__ import annotations
 
@@ -9,7 +10,6 @@ import warnings
 import numpy as np
 
 from fedppl.algorithms import pvi
-from fedppl.families import gaussian as g
 
 __all__ = ["RoundLog"]
 
@@ -29,8 +29,7 @@ class RoundLog:
     def _list(self, idx) -> str:
         return ", ".join(self.names[k] for k in idx)
 
-    def report(self, r: int, steps: np.ndarray, msgs, active: np.ndarray, q_old: g.Gaussian,
-               q_new: g.Gaussian) -> None:
+    def report(self, r: int, steps: np.ndarray, msgs, active: np.ndarray, q_old, q_new) -> None:
         for code, reason in pvi.REFUSALS.items():
             bad = np.nonzero(active & (steps == code))[0]
             for k in bad:
@@ -85,10 +84,10 @@ class RoundLog:
               "round; later ones are not reported")
 
 
-def _marginal_sds(q: g.Gaussian) -> np.ndarray:
-    _, cov = g.to_moments(q)
-    var = np.asarray(cov) if cov.ndim == 1 else np.diagonal(np.asarray(cov))
-    return np.sqrt(var)
+def _marginal_sds(q) -> np.ndarray:
+    """q's marginal sds from its precision (a vector for a diagonal Gaussian)."""
+    prec = np.asarray(q.prec, float)
+    return np.sqrt(1.0 / prec if prec.ndim == 1 else np.diagonal(np.linalg.inv(prec)))
 
 
 def _warn(message: str) -> None:

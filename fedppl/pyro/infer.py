@@ -49,6 +49,7 @@ from tqdm.auto import tqdm
 
 from fedppl import validation
 from fedppl.clients import Clients
+from fedppl.infer.round_log import RoundLog
 from fedppl.pyro.algorithms import conjugate, pvi
 from fedppl.pyro.algorithms import polya_gamma as pga
 from fedppl.pyro.algorithms.natural_gradient import NaturalGradientSolver, PriorSolver
@@ -340,7 +341,7 @@ class PVI:
                 solver, pvi.ConjugateSolver):
             lik_ctx = LogLik(model, self.guide).prepare(data, masks)
         self._run = _Run(solver, prior_solver, model, clients.names,
-                         _RoundLog(clients.names, self.shrink_warning))
+                         RoundLog(clients.names, self.shrink_warning))
         return RunState(pvi.init(prior, factors, t0), pvi.ClientState(factors, local), ctx,
                         lik_ctx, gen, 0)
 
@@ -443,7 +444,7 @@ class PVI:
             "bytes_down": n * g.num_bytes(state.server.q),
             "rejected": int((act & (steps <= 0)).sum())}
         q_old, q_new = state.server.q, server.q
-        self._run.log.report(new.round - 1, steps, msgs, act, q_old, q_new)
+        self._run.log.report(new.round - 1, steps, *_numpy((msgs, act, q_old, q_new)))
         info.update({
             "free_energy": np.where(act, msgs.free_energy.detach().numpy(), np.nan),
             "converged": np.where(act, msgs.converged.numpy().astype(float), np.nan),
@@ -516,7 +517,7 @@ class _Run(NamedTuple):
     prior_solver: PriorSolver | None
     model: Callable
     names: tuple[str, ...]
-    log: _RoundLog
+    log: RoundLog
 
 
 def _acknowledge_prior(state: pvi.ServerState, msg: pvi.ClientMessage, step: Tensor
@@ -531,6 +532,15 @@ def _rebuild(tree: Any, parts) -> Any:
     """A (named) tuple of the same type as ``tree`` from ``parts``."""
     parts = list(parts)
     return type(tree)(*parts) if hasattr(tree, "_fields") else type(tree)(parts)
+
+
+def _numpy(tree: Any) -> Any:
+    """``tree`` with its tensors as NumPy arrays (what :class:`RoundLog` reads)."""
+    if isinstance(tree, Tensor):
+        return tree.detach().cpu().numpy()
+    if isinstance(tree, tuple):
+        return _rebuild(tree, (_numpy(x) for x in tree))
+    return tree
 
 
 def _zeros(tree: Any) -> Any:
@@ -609,79 +619,6 @@ def _observations_in_support(model: Callable, data: tuple, model_kwargs: dict) -
     return all(bool(torch.as_tensor(site["fn"].support.check(site["value"])).all())
                for site in nodes(tr).values()
                if site["type"] == "sample" and site["is_observed"])
-
-
-class _RoundLog:
-    """Each round's server outcome as warnings and records naming the clients (the NumPyro
-    core's messages): refused or shrunk updates, repaired cavities, unconverged local steps,
-    and (once) a round in which q's uncertainty collapsed."""
-
-    def __init__(self, names: tuple[str, ...], shrink_factor: float):
-        self.names = names
-        self.shrink_factor = shrink_factor
-        self.rejected: list[tuple[int, str, str]] = []
-        self.unconverged: list[tuple[int, str]] = []
-        self.shrink_warned = False
-
-    def _list(self, idx) -> str:
-        return ", ".join(self.names[k] for k in idx)
-
-    def report(self, r: int, steps: np.ndarray, msgs: pvi.ClientMessage, active: np.ndarray,
-               q_old: g.Gaussian, q_new: g.Gaussian) -> None:
-        for code, reason in pvi.REFUSALS.items():
-            bad = np.nonzero(active & (steps == code))[0]
-            for k in bad:
-                self.rejected.append((r + 1, self.names[k], reason))
-            if len(bad):
-                _warn(f"round {r + 1}: refused the updates of {self._list(bad)} ({reason}); "
-                      "their factors are unchanged")
-        shrunk = np.nonzero((steps > 0) & (steps < 1))[0]
-        if len(shrunk):
-            _warn(f"round {r + 1}: updates of {self._list(shrunk)} applied with step "
-                  f"{steps[shrunk].min():.3g} to keep q positive definite (and, with the line "
-                  "search, the global ELBO from dropping)")
-        fixed = np.nonzero(active & msgs.cavity_repaired.numpy())[0]
-        if len(fixed):
-            _warn(f"round {r + 1}: cavities of {self._list(fixed)} were not positive definite and "
-                  "were repaired (eigenvalues clipped)")
-        slow = np.nonzero(active & ~msgs.converged.numpy().astype(bool))[0]
-        for k in slow:
-            self.unconverged.append((r + 1, self.names[k]))
-        if len(slow):
-            iters = msgs.iterations.numpy()[slow]
-            _warn(f"round {r + 1}: the local steps of {self._list(slow)} did not converge (after "
-                  f"{int(iters.max())} iterations); their updates were applied as they are")
-        if r > 0 and not self.shrink_warned:
-            self._check_shrink(r, q_old, q_new, msgs, steps)
-
-    def _check_shrink(self, r, q_old, q_new, msgs, steps) -> None:
-        sd_old, sd_new = _marginal_sds(q_old), _marginal_sds(q_new)
-        ratio = sd_new / sd_old
-        worst, geo = float(np.min(ratio)), float(np.exp(np.mean(np.log(ratio))))
-        if worst >= 1 / self.shrink_factor and geo >= 1 / self.shrink_factor:
-            return
-        self.shrink_warned = True
-        prec_old = q_old.prec.detach().numpy()
-        dprec = msgs.delta.prec.detach().numpy()
-        if dprec.ndim == 3:
-            prec_old, dprec = np.diagonal(prec_old), np.diagonal(dprec, axis1=1, axis2=2)
-        pull = np.max(np.maximum(steps, 0.0)[:, None] * dprec / prec_old, axis=1)
-        top = np.argsort(-pull)[:5]
-        top = top[pull[top] > 0]
-        _warn(f"round {r + 1}: q's uncertainty collapsed (a marginal sd fell to {worst:.3g} of "
-              f"its value, the geometric mean of the sds to {geo:.3g}); the updates that shrink "
-              f"it most are from {self._list(top) or 'no single client'}. This is the first such "
-              "round; later ones are not reported")
-
-
-def _marginal_sds(q: g.Gaussian) -> np.ndarray:
-    _, cov = g.to_moments(q)
-    var = cov.detach().numpy()
-    return np.sqrt(var if var.ndim == 1 else np.diagonal(var))
-
-
-def _warn(message: str) -> None:
-    warnings.warn(message, RuntimeWarning, stacklevel=4)
 
 
 class GlobalVI(PVI):

@@ -46,6 +46,15 @@ from typing import Any, NamedTuple
 import torch
 from torch import Tensor
 
+from fedppl.algorithms.pvi import (  # the NumPyro core's step sizes and refusal codes
+    IMPLAUSIBLE,
+    MAX_DIVERGENCE,
+    NOT_FINITE,
+    NOT_PD,
+    NOT_RECEIVED,
+    REFUSALS,
+    STEP_SIZES,
+)
 from fedppl.pyro.algorithms import conjugate
 from fedppl.pyro.algorithms.natural_gradient import LocalResult, PriorSolver
 from fedppl.pyro.algorithms.terms import ClientContext, LogLik, per_client
@@ -57,20 +66,6 @@ from fedppl.pyro.sites import cast_floats, vmap
 __all__ = ["ServerState", "ClientState", "ClientMessage", "ConjugateSolver", "OptimSolver",
            "init", "client_update", "prior_update", "verdicts", "server_update", "acknowledge",
            "stacked", "REFUSALS", "STEP_SIZES", "MAX_DIVERGENCE"]
-
-STEP_SIZES = tuple(2.0**-i for i in range(11))
-MAX_DIVERGENCE = 1e8
-NOT_FINITE, NOT_PD, IMPLAUSIBLE, NOT_RECEIVED = -1.0, -2.0, -3.0, -4.0
-REFUSALS = {
-    0.0: "not applied: the combined update left q not positive definite or lowered the ELBO "
-         "at every step",
-    NOT_FINITE: "message not finite",
-    NOT_PD: "q would not be positive definite with this message",
-    IMPLAUSIBLE: "implausible message: it changes q by more than max_divergence nats per "
-                 "dimension (Jeffreys divergence)",
-    NOT_RECEIVED: "no message arrived (the client dropped out of the round)",
-}
-
 
 class ServerState(NamedTuple):
     """The server's ``q``, the rounds done and the prior factor ``t_0`` (None when the prior is
