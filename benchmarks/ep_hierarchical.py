@@ -190,7 +190,7 @@ def main() -> None:
                     help="start EP from the factors of N rounds of PVI with local latent sites "
                          "(0: from the prior)")
     ap.add_argument("--init-factors", default=None, metavar="NPZ",
-                    help="start EP from factors saved by --save-factors (after --init-pvi)")
+                    help="start EP from factors saved by --save-factors (instead of --init-pvi)")
     ap.add_argument("--save-factors", default=None, metavar="NPZ",
                     help="save EP's last client factors (natural parameters) here")
     ap.add_argument("--no-pvi", action="store_true")
