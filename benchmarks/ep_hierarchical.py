@@ -80,12 +80,12 @@ from ep_vs_pvi import averaged, curve, errors
 jax.config.update("jax_enable_x64", True)
 
 J, D, N_PER_GROUP, K = 40, 20, 20, 25  # --inputs and --clients change D and K
+GLOBAL = ("mu", "sigma")
 
 
 def n_groups() -> int:
     """Each client's number of group slots: the most groups any client holds."""
     return -(-J // K)
-GLOBAL = ("mu", "sigma")
 
 
 def model(X, gid, y=None, *, n_groups):
@@ -189,10 +189,6 @@ def main() -> None:
     ap.add_argument("--init-pvi", type=int, default=0, metavar="N",
                     help="start EP from the factors of N rounds of PVI with local latent sites "
                          "(0: from the prior)")
-    ap.add_argument("--init-factors", default=None, metavar="NPZ",
-                    help="start EP from factors saved by --save-factors (instead of --init-pvi)")
-    ap.add_argument("--save-factors", default=None, metavar="NPZ",
-                    help="save EP's last client factors (natural parameters) here")
     ap.add_argument("--no-pvi", action="store_true")
     ap.add_argument("--no-merges", action="store_true")
     ap.add_argument("--quick", action="store_true")
@@ -260,21 +256,13 @@ def main() -> None:
             run["init_pvi_seconds"] = time.perf_counter() - t0
             print(f"  EP starts from {args.init_pvi} PVI rounds "
                   f"({run['init_pvi_seconds']:.0f} s)", flush=True)
-        if args.init_factors:
-            with np.load(args.init_factors) as f:
-                start = g.FullGaussian(jnp.asarray(f["nat1"]), jnp.asarray(f["prec"]))
-        final: dict = {}
         rows, last = curve(method, clients, args.rounds, seed, ref_mean, ref_sd, keep=5,
-                           factors=start, name="EP", final=final, n_groups=n_groups())
-        if args.save_factors:
-            factors = final["state"].clients.factor
-            np.savez(args.save_factors, nat1=np.asarray(factors.nat1),
-                     prec=np.asarray(factors.prec))
+                           factors=start, name="EP", n_groups=n_groups())
         run["methods"]["EP"] = rows
         m_last, c_last = g.to_moments(last[-1])  # which coordinates are off, in sd
-        run["ep_last"] = {"mean": np.asarray(m_last).tolist(),
-                          "sd": np.sqrt(np.diag(np.asarray(c_last))).tolist()}
-        ratio = np.sqrt(np.diag(np.asarray(c_last))) / ref_sd
+        sd_last = np.sqrt(np.diag(np.asarray(c_last)))
+        run["ep_last"] = {"mean": np.asarray(m_last).tolist(), "sd": sd_last.tolist()}
+        ratio = sd_last / ref_sd
         print(f"  EP's last sd / pooled NUTS sd: mu {ratio[:P].min():.2f}-{ratio[:P].max():.2f}, "
               f"log sigma {ratio[P:].min():.2f}-{ratio[P:].max():.2f}", flush=True)
         me, se = errors(*averaged(last), ref_mean, ref_sd)

@@ -108,12 +108,12 @@ def errors(mean, cov, ref_mean, ref_sd) -> tuple[float, float]:
 
 
 def curve(method, clients, rounds: int, seed: int, ref_mean, ref_sd, keep: int = 0,
-          factors=None, test=None, name: str = "", final: dict | None = None, **model_kwargs):
+          factors=None, test=None, name: str = "", **model_kwargs):
     """Per-round errors and seconds of a front (started from ``factors``, if given; the model's
     keyword arguments passed on), and the natural parameters of the last ``keep`` rounds' q;
     the last row has q's test log-likelihood (with ``test``). EP's rows add its sampler's
     worst r-hat, ESS and Monte Carlo error, the median r-hat, the clients that mixed and the
-    damping. ``name`` prints a line per round; ``final["state"]`` receives the last state."""
+    damping. ``name`` prints a line per round."""
     state = method.init(jax.random.key(seed), clients, factors, **model_kwargs)
     rows, qs = [], []
     for _ in range(rounds):
@@ -135,8 +135,6 @@ def curve(method, clients, rounds: int, seed: int, ref_mean, ref_sd, keep: int =
                                                               "clients_mixed") if k in row)
             print(f"  {name} round {row['round']}: mean err {me:.3f}, sd err {se:.3f}, "
                   f"{row['seconds']:.1f} s, rejected {row['rejected']}{extra}", flush=True)
-    if final is not None:
-        final["state"] = state
     if test is not None:
         rows[-1]["test_ll"] = q_test_log_lik(method.guide, state.server.q, test)
     return rows, qs[-keep:] if keep else []

@@ -108,7 +108,7 @@ class EP(PVI):
     :param max_rhat: a client whose largest split r-hat reaches this skips its update that
         round (its chains did not mix: its site and local guide stay as they were, its message
         is a zero change); it is recorded as not converged (``history["converged"]``, and in
-        ``result.unconverged``) When every client skips in round 1 (a hierarchical model's tilted
+        ``result.unconverged``). When every client skips in round 1 (a hierarchical model's tilted
         distributions at the prior cavity are hard for NUTS), start from PVI's factors:
         ``ep.run(key, clients, n, factors=pvi_result.factors)``
         (``benchmarks/ep_hierarchical.py --init-pvi 4``: every client mixes from round 1).

@@ -444,11 +444,12 @@ class PVI:
             "bytes_down": n * g.num_bytes(state.server.q),
             "rejected": int((act & (steps <= 0)).sum())}
         q_old, q_new = state.server.q, server.q
-        self._run.log.report(new.round - 1, steps, *_numpy((msgs, act, q_old, q_new)))
+        m = _numpy(msgs)
+        self._run.log.report(new.round - 1, steps, m, act, *_numpy((q_old, q_new)))
         info.update({
-            "free_energy": np.where(act, msgs.free_energy.detach().numpy(), np.nan),
-            "converged": np.where(act, msgs.converged.numpy().astype(float), np.nan),
-            "local_iterations": np.where(act, msgs.iterations.numpy().astype(float), np.nan),
+            "free_energy": np.where(act, m.free_energy, np.nan),
+            "converged": np.where(act, m.converged.astype(float), np.nan),
+            "local_iterations": np.where(act, m.iterations.astype(float), np.nan),
             "step": np.where(act, np.maximum(steps.astype(float), 0.0), np.nan),
             "kl_change": float(g.kl(q_new, q_old)),
             "elbo": self._elbo(new) if self.elbo_samples > 0 else np.nan})
