@@ -28,7 +28,7 @@ import torch
 from fedppl.pyro.families import gaussian as g
 
 if TYPE_CHECKING:  # pragma: no cover
-    from fedppl.pyro.infer import PVIResult
+    from fedppl.pyro.result import PVIResult
 
 __all__ = ["to_inference_data"]
 

@@ -34,11 +34,9 @@ Example (logistic regression on 3 clients, against the pooled fit it converges t
 
 from __future__ import annotations
 
-import json
 import time
 import warnings
 from collections.abc import Callable
-from dataclasses import dataclass, field
 from functools import partial
 from typing import Any, NamedTuple
 
@@ -57,6 +55,7 @@ from fedppl.pyro.algorithms.terms import ClientContext, LogLik, per_client, tree
 from fedppl.pyro.families import gaussian as g
 from fedppl.pyro.guides.pvi_guide import PVIGuide
 from fedppl.pyro.handlers.client import client
+from fedppl.pyro.result import PVIResult, _generator
 from fedppl.pyro.sites import (
     cast_floats,
     curvature,
@@ -73,98 +72,6 @@ SOLVERS = ("natural-gradient", "optim")
 SCHEDULES = ("sequential", "synchronous", "loop")
 
 
-@dataclass(kw_only=True)
-class PVIResult:
-    """The outcome of a run: the posterior ``q``, the client factors and the per-round
-    ``history`` (the NumPyro result's keys: ``round``, ``seconds``, ``messages_up``,
-    ``messages_down``, ``bytes_up``, ``bytes_down``, ``rejected``, ``free_energy``, ``converged``,
-    ``local_iterations``, ``step``, ``kl_change``, ``elbo``); ``rejected`` lists ``(round,
-    client, reason)`` for refused updates and ``unconverged`` ``(round, client)``."""
-
-    guide: PVIGuide
-    q: g.Gaussian
-    factors: g.Gaussian
-    history: dict[str, np.ndarray]
-    client_names: tuple[str, ...] = ()
-    rejected: list[tuple[int, str, str]] = field(default_factory=list)
-    unconverged: list[tuple[int, str]] = field(default_factory=list)
-    local: g.Conditional | None = None
-    prior_factor: g.Gaussian | None = None
-    model: Callable | None = None
-
-    @property
-    def num_rounds(self) -> int:
-        return len(self.history["round"])
-
-    @property
-    def posterior(self) -> dict[str, Any]:
-        """Per-site marginal distributions of the global sites (constrained space)."""
-        return self.guide.posterior(self.q)
-
-    def sample(self, rng_key: torch.Generator, num_samples: int,
-               client: int | str | None = None) -> dict[str, Tensor]:
-        """Joint posterior draws keyed by site name, constrained: ``{name: (num_samples, ...)}``;
-        ``client`` (an index or a name) adds that client's local sites."""
-        local = None
-        if client is not None and self.local is not None:
-            local = g.index(self.local, self._client_index(client))
-        return self.guide.sample(_generator(rng_key), self.q, num_samples, local)
-
-    def predictive(self, rng_key: torch.Generator, *args: Any, num_samples: int = 1000,
-                   client: int | str | None = None, **kwargs: Any) -> dict[str, Tensor]:
-        """Posterior predictive draws (Pyro's ``Predictive`` with this posterior's draws)."""
-        from pyro.infer import Predictive
-
-        gen = _generator(rng_key)
-        draws = self.sample(gen, num_samples, client)
-        model = self.model if self.model is not None else self.guide.model
-        with torch.random.fork_rng(devices=[]):
-            torch.manual_seed(int(torch.randint(2**31, (1,), generator=gen)))
-            return Predictive(model, posterior_samples=draws)(*args, **kwargs)
-
-    def _client_index(self, client: int | str) -> int:
-        if isinstance(client, str):
-            if client not in self.client_names:
-                raise KeyError(f"no client named {client!r}; clients are {self.client_names}")
-            return self.client_names.index(client)
-        K = self.factors.nat1.shape[0]
-        if not 0 <= int(client) < K:
-            raise IndexError(f"client {client} out of range for {K} clients")
-        return int(client)
-
-    def mean_and_cov(self) -> tuple[Tensor, Tensor]:
-        """Mean and covariance of q over the flat unconstrained vector."""
-        return g.to_moments(self.q)
-
-    def to_arviz(self, rng_key: torch.Generator | None = None, num_samples: int = 1000):
-        """An ``arviz.InferenceData`` (needs ``pip install fedppl[arviz]``)."""
-        from fedppl.pyro.arviz import to_inference_data
-
-        return to_inference_data(self, rng_key, num_samples)
-
-    def summary(self) -> dict[str, Any]:
-        return {"rounds": self.num_rounds, "seconds": float(np.sum(self.history["seconds"])),
-                "messages_up": int(np.sum(self.history["messages_up"])),
-                "bytes_up": int(np.sum(self.history["bytes_up"])), "rejected": len(self.rejected)}
-
-    def to_json(self, path: str | None = None) -> dict[str, Any]:
-        """``{"summary": ..., "history": ...}`` with plain types (and written to ``path``)."""
-        def plain(v):
-            a = np.asarray(v, dtype=float) if np.asarray(v).dtype.kind in "fc" else np.asarray(v)
-            if a.dtype.kind == "f":
-                return [x if np.isfinite(x) else None for x in a.ravel().tolist()] \
-                    if a.ndim <= 1 else [plain(row) for row in a]
-            return a.tolist()
-
-        out = {"method": "PVI", "summary": self.summary(),
-               "history": {k: plain(v) for k, v in self.history.items()},
-               "rejected": [list(r) for r in self.rejected]}
-        if path is not None:
-            with open(path, "w") as f:
-                json.dump(out, f, indent=1)
-        return out
-
-
 class RunState(NamedTuple):
     """Everything one round needs: the server's and the clients' states (clients stacked), the
     solver's per-client context (the padded data and what it reads from them once), the
@@ -176,16 +83,6 @@ class RunState(NamedTuple):
     lik_ctx: ClientContext | None
     rng_key: torch.Generator
     round: int
-
-
-def _generator(rng_key: Any, name: str = "rng_key") -> torch.Generator:
-    """A copy of the ``torch.Generator`` ``rng_key`` (the caller's is left as it was)."""
-    if not isinstance(rng_key, torch.Generator):
-        raise TypeError(f"{name} must be a torch.Generator such as "
-                        f"torch.Generator().manual_seed(0), got {rng_key!r}")
-    gen = torch.Generator()
-    gen.set_state(rng_key.get_state())
-    return gen
 
 
 def _optimizer(value: Any) -> Callable[[list[Tensor]], torch.optim.Optimizer]:

@@ -69,11 +69,22 @@ from fedppl.clients import Clients
 
 try:
     os.environ.setdefault("FLWR_TELEMETRY_ENABLED", "0")
-    from flwr.app import ArrayRecord, ConfigRecord, Context, Message, RecordDict
+    from flwr.app import ConfigRecord, Context, Message, RecordDict
     from flwr.clientapp import ClientApp
     from flwr.serverapp import Grid, ServerApp
 except ImportError as err:  # pragma: no cover - the extra is installed by make test
     raise ImportError("fedppl.runtime.flower needs Flower: pip install 'fedppl[flower]'") from err
+
+from fedppl.runtime.flower_wire import (
+    _index,
+    _is_key,
+    _record_bytes,
+    _shapes,
+    _stack,
+    _unflatten,
+    pack,
+    unpack,
+)
 
 __all__ = ["Task", "FlowerApp", "FlowerError", "task_from_config", "pack", "unpack"]
 
@@ -119,59 +130,6 @@ def task_from_config(run_config: Mapping[str, Any]) -> Task:
     if not module or not name:
         raise ValueError(f"run config 'task' must be 'package.module:function', got {spec!r}")
     return getattr(importlib.import_module(module), name)(run_config)
-
-
-# -- pytrees on the wire ---------------------------------------------------------------------------
-
-
-def pack(tree: Any) -> ArrayRecord:
-    """A pytree's leaves as an ``ArrayRecord`` (keys ``"0"``, ``"1"``...; PRNG keys as their data).
-
-    >>> import jax.numpy as jnp
-    >>> record = pack({"a": jnp.ones(2), "b": jnp.zeros((1, 3))})
-    >>> [a.shape for a in record.to_numpy_ndarrays()]
-    [(2,), (1, 3)]
-    """
-    return ArrayRecord([np.asarray(jax.random.key_data(x) if _is_key(x) else x)
-                        for x in jax.tree_util.tree_leaves(tree)])
-
-
-def unpack(record: Any, like: Any, who: str = "a peer", what: str = "message") -> Any:
-    """The pytree shaped as ``like`` (arrays or ``jax.ShapeDtypeStruct``) from ``record``, after
-    checking the number of leaves and each leaf's shape and dtype: a ``ValueError`` names ``who``
-    and the first mismatch."""
-    leaves, treedef = jax.tree_util.tree_flatten(like)
-    got = record.to_numpy_ndarrays()
-    if len(got) != len(leaves):
-        raise ValueError(f"{who} sent a {what} with {len(got)} arrays, expected {len(leaves)}")
-    out = []
-    for i, (a, want) in enumerate(zip(got, leaves, strict=True)):
-        if _is_key(want):
-            want_shape = jax.eval_shape(jax.random.key_data, want).shape
-            want_dtype: Any = np.uint32
-        else:
-            want_shape, want_dtype = tuple(np.shape(want)), np.dtype(want.dtype)
-        if tuple(a.shape) != tuple(want_shape) or a.dtype != want_dtype:
-            raise ValueError(f"{who} sent a {what} whose array {i} has shape {a.shape} and dtype "
-                             f"{a.dtype}, expected {tuple(want_shape)} and {np.dtype(want_dtype)}")
-        out.append(jax.random.wrap_key_data(jnp.asarray(a)) if _is_key(want) else jnp.asarray(a))
-    return jax.tree_util.tree_unflatten(treedef, out)
-
-
-def _is_key(x: Any) -> bool:
-    return jnp.issubdtype(getattr(x, "dtype", np.float64), jax.dtypes.prng_key)
-
-
-def _index(tree: Any, k: int) -> Any:
-    return jax.tree_util.tree_map(lambda x: x[k], tree)
-
-
-def _stack(trees: list) -> Any:
-    return jax.tree_util.tree_map(lambda *xs: jnp.stack(xs), *trees)
-
-
-def _shapes(tree: Any) -> Any:
-    return jax.tree_util.tree_map(lambda x: jax.ShapeDtypeStruct(jnp.shape(x), x.dtype), tree)
 
 
 # A process's tasks and nodes' compiled trios, kept between messages (a Simulation Engine worker
@@ -540,11 +498,6 @@ def _fill(replies: dict[int, Any], K: int) -> Any:
     return _stack([replies.get(k, blank) for k in range(K)])
 
 
-def _record_bytes(content: RecordDict) -> int:
-    return int(sum(a.numpy().nbytes for rec in content.array_records.values()
-                   for a in rec.values()))
-
-
 # -- a node ----------------------------------------------------------------------------------------
 
 
@@ -775,18 +728,6 @@ def _private(method: Any) -> bool:
 
 class _Captured(Exception):
     """Stops a node's run of the method at its first round (see ``_Node._build``)."""
-
-
-def _unflatten(record: Any, like: Any) -> Any:
-    """A pytree the server sent, structured as ``like`` (trusted: the structure is the method's
-    own; shapes are not checked, as some depend on the number of clients)."""
-    leaves, treedef = jax.tree_util.tree_flatten(like)
-    got = record.to_numpy_ndarrays()
-    if len(got) != len(leaves):
-        raise ValueError(f"the server sent {len(got)} arrays, expected {len(leaves)}")
-    return jax.tree_util.tree_unflatten(treedef, [
-        jax.random.wrap_key_data(jnp.asarray(a)) if _is_key(w) else jnp.asarray(a)
-        for a, w in zip(got, leaves, strict=True)])
 
 
 # The ServerApp and ClientApp of any Flower app whose run config names its task
