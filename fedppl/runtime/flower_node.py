@@ -1,0 +1,262 @@
+"""A Flower node's side of :mod:`fedppl.runtime.flower`: one ClientApp message's work (set-up,
+a round's ``client_update``, an evaluation exchange, the final acknowledgement), with what lasts
+between messages kept in Flower's ``context.state``."""
+
+from __future__ import annotations
+
+import os
+import secrets
+import time
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any, NamedTuple, cast
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from fedppl.clients import Clients
+
+try:
+    os.environ.setdefault("FLWR_TELEMETRY_ENABLED", "0")
+    from flwr.app import ConfigRecord, Context, Message, RecordDict
+except ImportError as err:  # pragma: no cover - the extra is installed by make test
+    raise ImportError("fedppl.runtime.flower_node needs Flower: pip install 'fedppl[flower]'"
+                      ) from err
+
+from fedppl.runtime.flower_wire import _index, _shapes, _unflatten, pack, unpack
+
+if TYPE_CHECKING:
+    from fedppl.runtime.flower import FlowerApp
+
+# Nodes' compiled trios, kept between messages (a Simulation Engine worker or a long-lived
+# ClientApp process handles many).
+_BUILT: dict[tuple, Any] = {}
+
+
+class _Built(NamedTuple):
+    """What a node derives once from the task and its own data: the trio (compiled), the
+    structures of what the server sends, and its padded data."""
+
+    trio: Any
+    client_update: Callable
+    acknowledge: Callable
+    evaluate: Callable | None
+    server: Any  # the broadcast's shapes (as this node's own set-up has them)
+    client: Any  # this node's state's
+    message: Any  # its message's
+    reply: Any  # the server's reply's
+    candidate: Any  # an evaluation candidate's (None: no evaluation exchange)
+    data: tuple
+    mask: Any
+
+
+class _Node:
+    """One message's work on a node (a ClientApp may run in a fresh process per message: what
+    lasts between messages is in ``context.state``)."""
+
+    def __init__(self, app: FlowerApp, context: Context, content: RecordDict | None = None):
+        self.app, self.context = app, context
+        # the server's precision, before this process makes any array (a deployment may start
+        # a fresh process for every message)
+        x64 = self._meta().get("x64")
+        if content is not None and "meta" in content.config_records:
+            x64 = content.config_records["meta"].get("x64", x64)
+        if x64 is not None:
+            jax.config.update("jax_enable_x64", bool(x64))
+        self.task = app._task(dict(context.run_config))
+        self.partition = int(context.node_config.get("partition-id", 0))
+        if content is not None and "init" in content.array_records:
+            self._start(content)
+
+    def _arrays(self) -> tuple:
+        return tuple(np.asarray(a) for a in self.task.load_partition(self.partition))
+
+    def _built(self, rows: int) -> _Built:
+        key = (self.app.token, id(self.task), self.partition, rows)
+        if key not in _BUILT:
+            _BUILT[key] = self._build(rows)
+        return _BUILT[key]
+
+    def _set_up(self, clients: Clients) -> dict[str, Any]:
+        """The method's own run on ``clients`` up to its first round: its trio, server state
+        and (stacked) client states."""
+        method = self.task.method
+        seen: dict[str, Any] = {}
+
+        def runtime(trio, schedule):
+            def capture(server, clients, data, masks, keys, active, server_key):
+                seen.update(trio=trio, server=server, clients=clients)
+                raise _Captured
+
+            return capture
+
+        method.runtime = runtime
+        try:
+            method.run(jax.random.key(self.task.seed), clients, 1, progress_bar=False,
+                       **dict(self.task.run_kwargs))
+        except _Captured:
+            pass
+        finally:
+            method.runtime = None
+        return seen
+
+    def _build(self, rows: int) -> _Built:
+        arrays = self._arrays()
+        n = arrays[0].shape[0]
+        if n > rows:
+            raise ValueError(f"partition {self.partition} has {n} rows, the server set up {rows}")
+        # The method's own run on this node's data (which checks that they fit the model) up to
+        # its first round: the trio and this node's states, as the server's set-up has them.
+        clients = Clients.from_list([arrays], pad_to=rows)  # padded as the server set it up
+        seen = self._set_up(clients)
+        trio, server = seen["trio"], _shapes(seen["server"])
+        client = _shapes(_index(seen["clients"], 0))
+        data = tuple(a[0] for a in clients.stacked)
+        mask = clients.mask[0]
+        msg = jax.eval_shape(trio.client_update, server, client, data, mask,
+                             jax.random.key(0), jnp.asarray(0))[0]
+        candidates: list = []
+
+        def capture(candidate):  # what the server's evaluation exchange sends
+            candidates.append(_shapes(candidate))
+            one = jax.tree_util.tree_map(lambda s: jnp.zeros((1, *s.shape), s.dtype), client)
+            return jax.vmap(trio.client_evaluate, (None, 0, 0, 0))(
+                candidate, one, tuple(d[None] for d in data), mask[None])
+
+        evaluate = None if trio.client_evaluate is None else capture
+        stacked = jax.tree_util.tree_map(lambda s: jax.ShapeDtypeStruct((1, *s.shape), s.dtype),
+                                         msg)
+        reply = jax.eval_shape(
+            lambda s, m: trio.server_update(s, m, jnp.zeros(1, int), jnp.ones(1, bool),
+                                            jax.random.key(0), evaluate), server, stacked)[1]
+        jit = jax.jit if trio.jit else (lambda f: f)
+        return _Built(trio, jit(trio.client_update), jit(trio.acknowledge),
+                      None if trio.client_evaluate is None else jit(trio.client_evaluate),
+                      server, client, msg,
+                      jax.tree_util.tree_map(lambda s: jax.ShapeDtypeStruct(s.shape[1:], s.dtype),
+                                             reply),
+                      candidates[0] if candidates else None, data, mask)
+
+    def _meta(self) -> dict[str, Any]:
+        state = self.context.state
+        return dict(state["fedppl.meta"]) if "fedppl.meta" in state.config_records else {}
+
+    def _save(self, client: Any, meta: dict) -> None:
+        self.context.state["fedppl.client"] = pack(client)
+        self.context.state["fedppl.meta"] = ConfigRecord(meta)
+
+    def _held(self, name: str, built: _Built) -> Any:
+        return unpack(self.context.state[name], built.client, "this node", "state")
+
+    def setup(self, msg: Message) -> Message:
+        """Describe this node's data (shapes, not values) and keep the server's precision; or
+        (the second exchange) take its initial state (done in ``__init__``)."""
+        if "init" in msg.content.array_records:
+            return Message(RecordDict({"ok": ConfigRecord({"ok": True})}), reply_to=msg)
+        x64 = bool(msg.content.config_records["meta"]["x64"])
+        self.context.state["fedppl.meta"] = ConfigRecord({"x64": x64})
+        arrays = self._arrays()
+        info = ConfigRecord({
+            "partition": self.partition, "name": f"client {self.partition}",
+            "rows": int(arrays[0].shape[0]),
+            "shapes": [",".join(str(d) for d in a.shape[1:]) for a in arrays],
+            "dtypes": [str(a.dtype) for a in arrays]})
+        return Message(RecordDict({"setup": info}), reply_to=msg)
+
+    def _start(self, content: RecordDict) -> None:
+        """This node's initial state, with the first message after the set-up: computed here,
+        as the method's set-up computes client ``index``'s from its own data (such as inducing
+        inputs drawn from its rows), with a stand-in (every value 1) in the other clients'
+        places; the server's record of it, made on a stand-in, is only checked for shapes."""
+        meta = dict(content.config_records["init.meta"])
+        index, rows = int(cast(int, meta["index"])), int(cast(int, meta["rows"]))
+        built = self._built(rows)
+        unpack(content.array_records["init"], built.client, "the server", "client state")
+        own = self._arrays()
+        data = [tuple(np.ones((rows, *a.shape[1:]), a.dtype) for a in own)
+                for _ in range(self.task.num_clients)]
+        data[index] = own
+        client = _index(self._set_up(Clients.from_list(data))["clients"], index)
+        self._save(client, {**self._meta(), "index": index, "rows": rows, "pending": -1})
+
+    def _acknowledge(self, built: _Built, content: RecordDict, meta: dict) -> Any:
+        """This node's state after the server's reply to its pending message (if the server sent
+        it; the server's reply to a message that arrived late is its reply to a message it did
+        not receive, so the state stays as it was)."""
+        client = self._held("fedppl.client", built)
+        pending = int(meta["pending"])
+        rounds = list(cast(list, content.config_records["meta"].get("reply_rounds", [])))
+        if pending >= 0 and pending in rounds:
+            msg = _unflatten(self.context.state["fedppl.message"], built.message)
+            reply = _unflatten(content.array_records[f"reply.{pending}"], built.reply)
+            client = built.acknowledge(client, msg, reply, self._held("fedppl.proposed", built))
+            meta["pending"] = -1
+        return client
+
+    def train(self, msg: Message) -> Message:
+        meta = self._meta()
+        built = self._built(int(meta["rows"]))
+        content = msg.content
+        client = self._acknowledge(built, content, meta)
+        server = _unflatten(content["server"], built.server)
+        key = unpack(content["key"], jax.random.key(0), "the server", "key")
+        if _private(self.task.method):  # noise the server cannot regenerate from its key
+            if "secret" not in meta:
+                meta["secret"] = secrets.randbits(31)
+            key = jax.random.fold_in(key, int(meta["secret"]))
+        rnd = int(cast(int, content.config_records["meta"]["round"]))
+        fault = None if self.task.fault is None else self.task.fault(self.partition, rnd)
+        if fault == "crash":
+            raise RuntimeError(f"fault injected: partition {self.partition} fails in round {rnd}")
+        message, proposed = built.client_update(server, client, built.data, built.mask, key,
+                                                jnp.asarray(int(meta["index"])))
+        self.context.state["fedppl.message"] = pack(message)
+        self.context.state["fedppl.proposed"] = pack(proposed)
+        meta["pending"] = rnd
+        self._save(client, meta)
+        sent = pack(message)
+        if callable(fault):
+            sent = pack(fault(message))
+        elif fault == "slow":
+            time.sleep(2.0 * (self.task.round_timeout or 1.0) + 1.0)
+        elif fault == "wrong_shape":
+            sent = pack([*jax.tree_util.tree_leaves(message), np.zeros(3)])
+        elif fault is not None:
+            raise ValueError(f"unknown fault {fault!r}")
+        return Message(RecordDict({"message": sent}), reply_to=msg)
+
+    def evaluate(self, msg: Message) -> Message:
+        meta = self._meta()
+        built = self._built(int(meta["rows"]))
+        if built.evaluate is None:
+            raise ValueError("this method has no evaluation exchange")
+        held = "fedppl.proposed" if int(meta["pending"]) >= 0 else "fedppl.client"
+        record = msg.content.array_records["candidate"]
+        like = built.candidate
+        batched = (len(record) > 0 and np.ndim(record.to_numpy_ndarrays()[0])
+                   > len(jax.tree_util.tree_leaves(like)[0].shape))
+        candidate = _unflatten(record, like)
+        client = self._held(held, built)
+        if batched:  # several candidates at once (the server's batched line search)
+            value = jax.vmap(built.evaluate, (0, None, None, None))(candidate, client,
+                                                                   built.data, built.mask)
+        else:
+            value = built.evaluate(candidate, client, built.data, built.mask)
+        return Message(RecordDict({"value": pack(value)}), reply_to=msg)
+
+    def finish(self, msg: Message) -> Message:
+        meta = self._meta()
+        built = self._built(int(meta["rows"]))
+        self._save(self._acknowledge(built, msg.content, meta), meta)
+        return Message(RecordDict({"ok": ConfigRecord({"ok": True})}), reply_to=msg)
+
+
+def _private(method: Any) -> bool:
+    """Whether a method adds privacy noise at its clients (DP-PVI, private statistics)."""
+    config = getattr(method, "config", None)
+    return (getattr(method, "privacy", None) is not None
+            or getattr(config, "privacy", None) is not None)
+
+
+class _Captured(Exception):
+    """Stops a node's run of the method at its first round (see ``_Node._build``)."""
