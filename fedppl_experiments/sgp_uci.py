@@ -58,8 +58,9 @@ def prepare(path: str, split: int, num_clients: int, seed: int = 0,
 
 
 def fit_one(method: str, prep: Prepared, num_rounds: int, config: Any = None, seed: int = 0,
-            progress_bar: bool = False) -> dict[str, Any]:
-    """Fit one method and score it; returns a flat dict of metrics and the history."""
+            progress_bar: bool = False, keep_result: bool = False) -> dict[str, Any]:
+    """Fit one method and score it; returns a flat dict of metrics and the history (and the
+    result object under ``"result"`` with ``keep_result``)."""
     from fedppl.infer.fedavg_gp import FSGP, FSGPConfig
     from fedppl.infer.sparse_gps import FederatedSGP, SGPConfig
 
@@ -83,7 +84,7 @@ def fit_one(method: str, prep: Prepared, num_rounds: int, config: Any = None, se
     return {"method": method, "log_lik": float(ll), "rmse": float(err),
             "rounds": num_rounds, "rounds_to_convergence": result.rounds_to_convergence(),
             "seconds": seconds, "seconds_per_round": float(np.median(result.history["seconds"])),
-            "history": history}
+            "history": history, **({"result": result} if keep_result else {})}
 
 
 def run(path: str, split: int = 0, num_clients: int = 10, methods: Sequence[str] = METHODS,

@@ -65,7 +65,7 @@ class Spec(NamedTuple):
     """Static (hashable) settings: one compiled program per Spec."""
 
     factor: str = "dpo"          # dpo | cpo | opt
-    covariance: str = "diag"     # DPO S_k: diag | full
+    covariance: str = "diag"     # DPO S_k: diag | full | noise (noise^2 diag)
     likelihood: str = "gaussian"
     z_mode: str = "hvm"          # hvm | fixed | train
     learn_hyper: bool = True
@@ -133,20 +133,18 @@ def _take(tree: Any, k: Any) -> Any:
 def init(spec: Spec, key: Array, X_stack: np.ndarray, mask: np.ndarray, sizes: np.ndarray,
          num_inducing: int, num_pseudo: np.ndarray, init_precision: float = 100.0,
          pseudo_from_data: bool = True, z_init: np.ndarray | None = None,
-         log_beta_fixed: np.ndarray | None = None, pseudo: sg.Pseudo | None = None
-         ) -> ServerState:
+         log_beta_fixed: np.ndarray | None = None, pseudo: sg.Pseudo | None = None,
+         z_from_pseudo: bool = False) -> ServerState:
     """Initial state (App. D). q(beta) starts at mean 0 (beta = 1) with precision
     ``init_precision``, q(Z) at mean ``Z0 ~ N(0, I)`` (a random draw: all-zero means would make
     the inducing points coincide) with precision ``init_precision``; the precision above the
-    prior's unit precision is split evenly among the K factors. ``z_init`` overrides Z0."""
+    prior's unit precision is split evenly among the K factors. ``z_init`` overrides Z0;
+    ``z_from_pseudo`` draws Z0's rows without replacement from the clients' initial DPO
+    pseudo-inputs (the rows the first messages carry)."""
     K, _, D = X_stack.shape
     P = sgp.num_hyper(D, spec.likelihood)
     rng = np.random.default_rng(int(jax.random.randint(key, (), 0, 2**31 - 1)))
     Z0 = rng.standard_normal((num_inducing, D)) if z_init is None else np.asarray(z_init, float)
-    share = max(init_precision - 1.0, 0.0) / K
-    t_beta = g.DiagGaussian(jnp.zeros((K, P)), jnp.full((K, P), share))
-    t_z = g.DiagGaussian(jnp.broadcast_to(Z0 * (1.0 + share * K) / K, (K, *Z0.shape)),
-                         jnp.full((K, *Z0.shape), share))
     if pseudo is not None:
         pmask = np.asarray(mask)
     elif spec.factor == "cpo":
@@ -159,6 +157,16 @@ def init(spec: Spec, key: Array, X_stack: np.ndarray, mask: np.ndarray, sizes: n
                              spec.covariance, pseudo_from_data) for k in range(K)]
         pseudo = jax.tree_util.tree_map(lambda *a: np.stack(a), *[p for p, _ in parts])
         pmask = np.stack([m for _, m in parts])
+    if z_from_pseudo:
+        pool = np.asarray(pseudo.V)[np.asarray(pmask, bool)]
+        if len(pool) < num_inducing:
+            raise ValueError(f"init_inducing='pseudo-inputs' needs num_inducing={num_inducing} "
+                             f"rows, the clients' pseudo-inputs have {len(pool)}")
+        Z0 = pool[rng.choice(len(pool), size=num_inducing, replace=False)]
+    share = max(init_precision - 1.0, 0.0) / K
+    t_beta = g.DiagGaussian(jnp.zeros((K, P)), jnp.full((K, P), share))
+    t_z = g.DiagGaussian(jnp.broadcast_to(Z0 * (1.0 + share * K) / K, (K, *Z0.shape)),
+                         jnp.full((K, *Z0.shape), share))
     fixed = np.zeros(P) if log_beta_fixed is None else np.asarray(log_beta_fixed, float)
     S, M = spec.shared_draws, num_inducing
     shared = Shared(jnp.zeros((S, P)), jnp.zeros((S, M, D)), jnp.zeros((S, M, M)),

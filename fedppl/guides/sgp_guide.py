@@ -8,8 +8,11 @@
 * ``q(u | Z, beta) ∝ p(u | Z, beta) prod_k t_k(u | Z, beta)`` with one factor per client:
 
   - ``"dpo"``: ``t_k ∝ N(K_{V_k Z} K_ZZ^-1 u; m_k, S_k)``, pseudo-inputs ``V_k`` (M_k x D), ``S_k``
-    diagonal (``s_raw`` = log variances) or full (``s_raw`` = the unconstrained vector of the
-    lower Cholesky factor of ``S_k``, see :func:`lower_cholesky`);
+    diagonal (``s_raw`` = log variances), diagonal relative to the noise (``"noise"``:
+    ``S_k = noise^2 diag(exp(s_raw))``, so that ``s_raw = 0`` with ``V_k``, ``m_k`` at the
+    client's data is the optimal factor of a Gaussian likelihood, at every beta) or full
+    (``s_raw`` = the unconstrained vector of the lower Cholesky factor of ``S_k``, see
+    :func:`lower_cholesky`);
   - ``"cpo"``: ``t_k = N(u; m_k, S_k)`` with the factor precision ``S_k^-1 = R R'`` (``s_raw`` =
     R's unconstrained vector), so every factor is PSD and the cavity is always a proper Gaussian;
   - ``"opt"``: the optimal factor of a Gaussian likelihood, ``V = X, m = y, S = noise^2 I``
@@ -134,9 +137,10 @@ def summed_stats(kind: str, cov: str, pseudo: Pseudo, mask: Array, weights: Arra
     if kind == "opt":
         A, c = _streamed(_dpo_diag_one, (pseudo, mask.astype(L.dtype)), weights, Z, hyper, L)
         return A / hyper.noise**2, c / hyper.noise**2
-    if kind == "dpo" and cov == "diag":
+    if kind == "dpo" and cov in ("diag", "noise"):
         prec = mask * jnp.exp(-pseudo.s_raw)
-        return _streamed(_dpo_diag_one, (pseudo, prec), weights, Z, hyper, L)
+        A, c = _streamed(_dpo_diag_one, (pseudo, prec), weights, Z, hyper, L)
+        return (A / hyper.noise**2, c / hyper.noise**2) if cov == "noise" else (A, c)
     if kind == "dpo":
         return _streamed(_dpo_full_one, (pseudo, mask), weights, Z, hyper, L)
     if kind == "cpo":  # B = K P K, b = K n  =>  A = L' P L, c = L' n
@@ -161,7 +165,7 @@ def init_dpo(rng: np.random.Generator, X_k: np.ndarray, num_pseudo: int, max_pse
         V = rng.standard_normal((num_pseudo, D))
     V = np.concatenate([V, np.zeros((max_pseudo - num_pseudo, D))])
     mask = np.arange(max_pseudo) < num_pseudo
-    size = max_pseudo if covariance == "diag" else tril_size(max_pseudo)
+    size = tril_size(max_pseudo) if covariance == "full" else max_pseudo
     return Pseudo(V, np.zeros(max_pseudo), np.zeros(size)), mask
 
 

@@ -59,6 +59,13 @@ class SGPConfig(NamedTuple):
     ``pseudo_init``: V_k from the client's inputs (``"data"``) or N(0, I) (``"prior"``).
     ``fixed_hyper``: ``{"lengthscale", "variance", "noise"}`` held fixed instead of q(beta).
     ``fixed_inducing``: a point Z held fixed (its rows give M).
+    ``init_inducing``: q(Z)'s initial mean (fixed Z's value): ``"random-normal"`` (the paper's
+    N(0, I) draw) or ``"pseudo-inputs"``: ``num_inducing`` rows drawn from the clients' initial
+    DPO pseudo-inputs, which ``pseudo_init="data"`` takes from their data; so it reveals no row
+    that the first messages do not carry already (DPO, FedAvg-Z and fixed Z; not on a deployment,
+    whose server holds no data). Measured on yacht in the README.
+    ``covariance``: DPO's S_k, ``"diag"`` (the paper's), ``"full"``, or ``"noise"``:
+    ``noise^2 diag(exp(s))``, so that the pseudo-noise follows the learnt noise.
     ``shared_draws``: 0 (the paper's method) or S > 0: every client's local free energy is
     estimated at S draws of ``(beta, Z)`` that the server makes from q once a round, with the
     summed statistics of all clients' factors at each (importance-weighted, see
@@ -84,6 +91,7 @@ class SGPConfig(NamedTuple):
     fixed_inducing: Array | None = None
     pseudo_init: str = "data"
     shared_draws: int = 0
+    init_inducing: str = "random-normal"
 
 
 @dataclass(kw_only=True)
@@ -333,9 +341,13 @@ def _checked(cfg: SGPConfig) -> SGPConfig:
     check.positive(cfg.init_precision, "init_precision")
     check.optimizer(cfg.optimizer)
     check.one_of(cfg.schedule, ("sequential", "synchronous"), "schedule")
-    check.one_of(cfg.covariance, ("diag", "full"), "covariance")
+    check.one_of(cfg.covariance, ("diag", "full", "noise"), "covariance")
     check.one_of(cfg.likelihood, ("gaussian", "bernoulli"), "likelihood")
     check.one_of(cfg.pseudo_init, ("data", "prior"), "pseudo_init")
+    check.one_of(cfg.init_inducing, ("random-normal", "pseudo-inputs"), "init_inducing")
+    if cfg.init_inducing == "pseudo-inputs" and cfg.pseudo_init != "data":
+        raise ValueError("init_inducing='pseudo-inputs' starts Z at the clients' pseudo-inputs, "
+                         "which are data rows only with pseudo_init='data'")
     if cfg.fixed_hyper is not None:
         _check_hyper(cfg.fixed_hyper, cfg.likelihood)
     if cfg.fixed_inducing is not None:
@@ -402,7 +414,11 @@ def _initial_state(method: str, spec: sgp_pvi.Spec, cfg: SGPConfig, clients: Cli
             z_init = X_stack[0][rng.choice(sizes[0], size=m, replace=False)]
         if spec.factor == "opt":
             pseudo = Pseudo(X_stack, y_stack, np.zeros_like(y_stack))
+    from_pseudo = cfg.init_inducing == "pseudo-inputs" and z_init is None
+    if from_pseudo and spec.factor != "dpo":
+        raise ValueError(f"init_inducing='pseudo-inputs' needs DPO pseudo-inputs; {method!r} has "
+                         "none")
     return sgp_pvi.init(spec, key, X_stack, mask, sizes, m, num_pseudo, cfg.init_precision,
                         cfg.pseudo_init == "data", z_init,
-                        _fixed_log_beta(cfg, X_stack.shape[2]), pseudo)
+                        _fixed_log_beta(cfg, X_stack.shape[2]), pseudo, from_pseudo)
 

@@ -73,6 +73,29 @@ def test_dpo_stats_and_cavity_match_brute_force(full):
         np.testing.assert_allclose(covu, bc, rtol=1e-8, atol=1e-10)
 
 
+def test_noise_relative_dpo_is_the_diagonal_factor_times_the_noise_and_opt_at_the_data():
+    """``covariance="noise"``: S_k = noise^2 diag(exp(s_raw)), checked against the brute-force
+    product; with V = X, m = y and s_raw = 0 it is Titsias' optimal factor ("opt") at every
+    noise level."""
+    rng = np.random.default_rng(2)
+    Z = rng.normal(size=(5, 1))
+    stack, mask, dense = _pseudo_stack(rng, [3, 7, 4], 7, False)
+    L = jnp.linalg.cholesky(sgp.kzz(Z, HYP))
+    noise2 = float(jnp.exp(2 * HYP.log_noise))
+    A, c = sg.summed_stats("dpo", "noise", stack, mask, jnp.ones(3), Z, HYP, L)
+    mean, covu = sgp.moments(sgp.posterior(L, A, c))
+    bm, bc = _brute(Z, [(k, V, m, noise2 * S) for k, V, m, S in dense])
+    np.testing.assert_allclose(mean, bm, rtol=1e-8, atol=1e-10)
+    np.testing.assert_allclose(covu, bc, rtol=1e-8, atol=1e-10)
+    at_data = stack._replace(s_raw=jnp.zeros_like(stack.s_raw))
+    for hyper in (HYP, HYP._replace(log_noise=jnp.log(0.01))):
+        L = jnp.linalg.cholesky(sgp.kzz(Z, hyper))
+        got = sg.summed_stats("dpo", "noise", at_data, mask, jnp.ones(3), Z, hyper, L)
+        opt = sg.summed_stats("opt", "diag", at_data, mask, jnp.ones(3), Z, hyper, L)
+        for a, b in zip(got, opt, strict=True):
+            np.testing.assert_allclose(a, b, rtol=1e-12)
+
+
 def test_cpo_stats_match_brute_force():
     rng = np.random.default_rng(1)
     Z = rng.normal(size=(4, 1))

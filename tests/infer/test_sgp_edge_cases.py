@@ -10,6 +10,8 @@ import numpy as np
 import pytest
 
 import fedppl
+from fedppl.algorithms import sgp_pvi
+from fedppl.families import gaussian as g
 
 SGP = ("dpo", "cpo", "fedavg-z", "fixed", "global")
 
@@ -74,3 +76,31 @@ def test_a_server_without_the_data_refuses_a_set_up_that_reads_them(method, sett
     else:
         with pytest.raises(ValueError, match=refused):
             front.init(jax.random.key(0), _clients([10, 10]))
+
+
+@pytest.mark.parametrize("method", ["dpo", "fedavg-z", "fixed"])
+def test_inducing_inputs_can_start_at_the_clients_pseudo_inputs(method):
+    """``init_inducing="pseudo-inputs"``: q(Z)'s mean (fixed Z's value) starts at rows of the
+    clients' initial pseudo-inputs, which ``pseudo_init="data"`` draws from their data; the
+    default starts at N(0, I) draws, which are no data row."""
+    clients = _clients([12, 12, 12])
+    X = np.concatenate([np.asarray(a) for a, _ in clients.data])
+
+    def start(**settings):
+        state = _front(method, num_inducing=6, **settings).init(jax.random.key(0), clients)[0]
+        Z = g.to_moments(sgp_pvi.q_z(state))[0] if method == "dpo" else state.z_point
+        V = np.asarray(state.pseudo.V)[np.asarray(state.pseudo_mask)]
+        return np.asarray(Z), V
+
+    Z, V = start(init_inducing="pseudo-inputs")
+    assert len(np.unique(Z, axis=0)) == 6
+    assert all(np.any(np.all(np.isclose(z, V), axis=1)) for z in Z)  # a pseudo-input ...
+    assert all(np.any(np.all(np.isclose(z, X), axis=1)) for z in Z)  # ... so a data row
+    Z, _ = start()
+    assert not any(np.any(np.all(np.isclose(z, X), axis=1)) for z in Z)
+
+
+def test_inducing_inputs_from_pseudo_inputs_need_dpo_factors():
+    with pytest.raises(ValueError, match="needs DPO pseudo-inputs; 'cpo'"):
+        _front("cpo", num_inducing=3, init_inducing="pseudo-inputs").init(
+            jax.random.key(0), _clients([10, 10]))

@@ -150,6 +150,8 @@ BAD_SETTINGS = [
     ({"covariance": "dense"}, ValueError, "covariance"),
     ({"likelihood": "poisson"}, ValueError, "likelihood"),
     ({"pseudo_init": "kmeans"}, ValueError, "pseudo_init"),
+    ({"init_inducing": "kmeans"}, ValueError, "init_inducing"),
+    ({"init_inducing": "pseudo-inputs", "pseudo_init": "prior"}, ValueError, "pseudo_init='data'"),
     ({"learning_rate": 0.1}, TypeError, "unknown settings.*learning_rate"),
     ({"fixed_hyper": {"lengthscale": 1.0, "variance": 1.0}}, ValueError, "fixed_hyper"),
     ({"fixed_hyper": {**HYP, "lengthscale": -1.0}}, ValueError, "fixed_hyper"),
