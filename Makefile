@@ -25,12 +25,13 @@ demo: $(STAMP)
 # which every test tolerates. Benchmarks and the library run at XLA's default level.
 TEST_XLA_FLAGS ?= --xla_backend_optimization_level=0
 
-# lint, type check, then the tests and the docstring examples (pytest --doctest-modules)
+# lint, type check, then the tests and the docstring examples (pytest --doctest-modules), with
+# the 20 slowest listed at the end (where to look when the suite grows)
 test: $(STAMP)
 	$(BIN)/ruff check fedppl fedppl_experiments tests benchmarks tutorials examples
 	$(BIN)/mypy
 	OPENBLAS_NUM_THREADS=1 XLA_FLAGS="$(TEST_XLA_FLAGS)" $(BIN)/python -m pytest \
-		-n $(TEST_JOBS) --dist loadfile --no-loadscope-reorder
+		-n $(TEST_JOBS) --dist loadfile --no-loadscope-reorder --durations=20
 
 bench: $(STAMP)
 	$(BIN)/python benchmarks/pvi_rounds.py
