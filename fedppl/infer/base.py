@@ -32,6 +32,7 @@ Example::
 from __future__ import annotations
 
 import json
+import operator
 import time
 from dataclasses import dataclass, field
 from typing import Any, NamedTuple
@@ -85,6 +86,23 @@ class Result:
 
     def to_arviz(self, *args: Any, **kwargs: Any):
         raise NotImplementedError
+
+    def _client_index(self, client: int | str, num_clients: int) -> int:
+        """``client`` (a name from ``client_names``, or an index) as an index below
+        ``num_clients``."""
+        if isinstance(client, str):
+            if client not in self.client_names:
+                raise KeyError(f"no client named {client!r}; clients are {self.client_names}")
+            return self.client_names.index(client)
+        try:
+            if isinstance(client, bool):
+                raise TypeError
+            k = operator.index(client)
+        except TypeError:
+            raise TypeError(f"client must be an index or a name, got {client!r}") from None
+        if not 0 <= k < num_clients:
+            raise IndexError(f"client {client} out of range for {num_clients} clients")
+        return k
 
     def summary(self) -> dict[str, Any]:
         """Scalars that describe the run (extended by each method)."""

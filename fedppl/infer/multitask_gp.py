@@ -63,25 +63,13 @@ class PFedMulResult(Result):
     data: tuple                   # (X, y, task), padded and stacked
     masks: Array
 
-    def _index(self, client: int | str) -> int:
-        if isinstance(client, str):
-            if client not in self.client_names:
-                raise KeyError(f"no client named {client!r}; clients are {self.client_names}")
-            return self.client_names.index(client)
-        if isinstance(client, bool) or not isinstance(client, (int, np.integer)):
-            raise TypeError(f"client must be an index or a name, got {client!r}")
-        K = self.masks.shape[0]
-        if not 0 <= int(client) < K:
-            raise IndexError(f"client {client} out of range for {K} clients")
-        return int(client)
-
     def predict(self, X: Array, task: int, client: int | str | None = None
                 ) -> tuple[Array, Array]:
         """Mean and variance of the latent function of ``task`` at ``X`` under a client's
         personal posterior: ``(N,)`` each for one client, ``(K, N)`` for ``client=None``."""
         X = _check_inputs(X, self.data[0].shape[-1], "X")
         task = _check_task(task, len(self.spec.kinds))
-        k = None if client is None else self._index(client)
+        k = None if client is None else self._client_index(client, self.masks.shape[0])
         mean, var = predict_latent(self.spec, self.clients, jnp.asarray(X), task)
         return (mean, var) if k is None else (mean[k], var[k])
 

@@ -99,7 +99,7 @@ class PVIResult(Result):
         guide given each draw of the global ones."""
         local = None
         if client is not None:
-            k = self._client_index(client)
+            k = self._client_index(client, self.factors.nat1.shape[0])
             local = None if self.local is None else jax.tree_util.tree_map(lambda x: x[k],
                                                                            self.local)
         return self.guide.sample(rng_key, self.q, num_samples, local)
@@ -115,16 +115,6 @@ class PVIResult(Result):
         draws = self.sample(key_post, num_samples, client)
         model = self.model if self.model is not None else self.guide.model
         return Predictive(model, posterior_samples=draws)(key_pred, *args, **kwargs)
-
-    def _client_index(self, client: int | str) -> int:
-        if isinstance(client, str):
-            if client not in self.client_names:
-                raise KeyError(f"no client named {client!r}; clients are {self.client_names}")
-            return self.client_names.index(client)
-        K = self.factors.nat1.shape[0]
-        if not 0 <= int(client) < K:
-            raise IndexError(f"client {client} out of range for {K} clients")
-        return int(client)
 
     def mean_and_cov(self) -> tuple[Array, Array]:
         """Mean and covariance of q over the flat unconstrained vector."""

@@ -45,7 +45,7 @@ class PVIResult(Result):
         ``client`` (an index or a name) adds that client's local sites."""
         local = None
         if client is not None and self.local is not None:
-            local = g.index(self.local, self._client_index(client))
+            local = g.index(self.local, self._client_index(client, self.factors.nat1.shape[0]))
         return self.guide.sample(_generator(rng_key), self.q, num_samples, local)
 
     def predictive(self, rng_key: torch.Generator, *args: Any, num_samples: int = 1000,
@@ -59,16 +59,6 @@ class PVIResult(Result):
         with torch.random.fork_rng(devices=[]):
             torch.manual_seed(int(torch.randint(2**31, (1,), generator=gen)))
             return Predictive(model, posterior_samples=draws)(*args, **kwargs)
-
-    def _client_index(self, client: int | str) -> int:
-        if isinstance(client, str):
-            if client not in self.client_names:
-                raise KeyError(f"no client named {client!r}; clients are {self.client_names}")
-            return self.client_names.index(client)
-        K = self.factors.nat1.shape[0]
-        if not 0 <= int(client) < K:
-            raise IndexError(f"client {client} out of range for {K} clients")
-        return int(client)
 
     def mean_and_cov(self) -> tuple[Tensor, Tensor]:
         """Mean and covariance of q over the flat unconstrained vector."""
