@@ -97,6 +97,10 @@ def main() -> None:
         ("global", "global", args.global_rounds, {}),
     ]
     if args.only:
+        unknown = set(args.only) - {v[0] for v in variants}
+        if unknown:
+            raise SystemExit(f"unknown variants {sorted(unknown)}; choose from "
+                             f"{[v[0] for v in variants]}")
         variants = [v for v in variants if v[0] in args.only]
     rows = []
     for name, method, rounds, extra in variants:
@@ -125,7 +129,7 @@ def main() -> None:
     lines += [f"| {r['variant']} | {r['rounds']} | {r['free_energy']:.1f} | "
               f"{r['free_energy_change_last_10']:+.1f} | {r['log_lik']:.3f} | {r['rmse']:.3f} | "
               f"{r['noise_sd']:.3f} | "
-              + ("-" if r["q_z_sd_median"] is None else f"{r['q_z_sd_median']:.2f}") + " |"
+              + ("-" if r["q_z_sd_median"] is None else f"{r['q_z_sd_median']:.3f}") + " |"
               for r in rows]
     text = "\n".join(lines)
     print("\n" + text)
