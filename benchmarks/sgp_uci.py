@@ -47,6 +47,8 @@ def parse() -> argparse.Namespace:
     p.add_argument("--datasets", nargs="*", default=PAPER)
     p.add_argument("--methods", nargs="+", default=list(sgp_uci.METHODS))
     p.add_argument("--splits", type=int, default=2, help="first n standard splits")
+    p.add_argument("--split-ids", type=int, nargs="*", default=None,
+                   help="run exactly these standard splits (overrides --splits)")
     p.add_argument("--rounds", type=int, default=100)
     p.add_argument("--local-steps", type=int, default=200)
     p.add_argument("--rounds-for", nargs="*", default=["global=30"], metavar="METHOD=N",
@@ -79,10 +81,16 @@ def configs(args: argparse.Namespace) -> dict:
 
 
 def _cell(vals: list[float], digits: int = 3) -> str:
+    """Mean ± standard error over splits; a split whose method failed (NaN) is left out and
+    counted, e.g. ``-0.9 (2 of 3 splits; 1 failed)``."""
     v = np.asarray(vals, dtype=float)
-    if len(v) == 1:
-        return f"{v[0]:.{digits}f}"
-    return f"{v.mean():.{digits}f} ± {v.std(ddof=1) / np.sqrt(len(v)):.{digits}f}"
+    ok = v[np.isfinite(v)]
+    if len(ok) == 0:
+        return "failed"
+    text = (f"{ok[0]:.{digits}f}" if len(ok) == 1 else
+            f"{ok.mean():.{digits}f} ± {ok.std(ddof=1) / np.sqrt(len(ok)):.{digits}f}")
+    failed = len(v) - len(ok)
+    return text if not failed else f"{text} ({len(ok)} of {len(v)}; {failed} failed)"
 
 
 def table(results: dict, methods: list[str], metric: str) -> str:
@@ -111,7 +119,7 @@ def rounds_table(results: dict, methods: list[str]) -> str:
         cells = []
         for m in methods:
             r2c = [r[m]["rounds_to_convergence"] for r in runs]
-            spr = np.median([r[m]["seconds_per_round"] for r in runs])
+            spr = np.nanmedian([r[m]["seconds_per_round"] for r in runs])
             med = np.median([x for x in r2c if x is not None]) if any(
                 x is not None for x in r2c) else float("nan")
             cells.append(f"{med:.0f} ({spr:.2f} s)")
@@ -153,11 +161,15 @@ def one(folder: str, split: int, args: argparse.Namespace) -> dict:
     cap = args.max_train_large if Path(folder).name in args.large else args.max_train
     rounds = {m: int(n) for m, n in (item.split("=") for item in args.rounds_for)}
     rows = sgp_uci.run(folder, split, 10, args.methods, args.rounds, configs(args), seed=split,
-                       max_train=cap, progress_bar=False, rounds=rounds)
+                       max_train=cap, progress_bar=False, rounds=rounds, keep_going=True)
     for r in rows.values():
         r["free_energy_curve"] = r.pop("history", {}).get("free_energy")
+        r["split"] = split
     print(f"{Path(folder).name} split {split}: " + ", ".join(
         f"{m} {r['log_lik']:.3f} ({r['seconds']:.0f} s)" for m, r in rows.items()), flush=True)
+    for m, r in rows.items():
+        if "error" in r:
+            print(f"  {m} failed: {r['error']}", flush=True)
     return rows
 
 
@@ -173,7 +185,8 @@ def main() -> None:
         if not folder.is_dir():
             print(f"skipping {name}: {folder} not found (pass --uci PATH)")
             continue
-        tasks += [(name, str(folder), split) for split in range(args.splits)]
+        splits = args.split_ids if args.split_ids is not None else range(args.splits)
+        tasks += [(name, str(folder), split) for split in splits]
     results: dict[str, list] = {name: [] for name, _, _ in tasks}
     if args.jobs > 1:
         import multiprocessing as mp
@@ -221,14 +234,24 @@ def write(args: argparse.Namespace, results: dict, speeds: dict, meta: dict) -> 
 
 
 def merge(args: argparse.Namespace) -> None:
-    """Combine result files of separate runs (e.g. small and large sets run side by side)."""
-    results, speeds, parts = {}, {}, []
+    """Combine result files of separate runs (sets or splits run side by side, or an earlier
+    merge): a dataset's splits from all files are pooled; a (dataset, split) seen twice is kept
+    once, from the last file naming it."""
+    results: dict[str, dict[int, dict]] = {}
+    speeds, parts = {}, []
     for path in args.merge:
         d = json.loads(Path(path).read_text())
-        results.update(d["results"])
+        for name, runs in d["results"].items():
+            for i, rows in enumerate(runs):
+                # rows written before splits were recorded are the first splits, in order
+                split = next(iter(rows.values())).get("split", i)
+                results.setdefault(name, {})[split] = rows
         speeds.update({int(k): v for k, v in d.get("timing", {}).items()})
-        parts.append({"file": path, "settings": d["settings"], "wall_seconds": d["wall_seconds"]})
-    write(args, results, speeds, {"merged_from": parts})
+        parts += d.get("merged_from") or [
+            {"file": path, "settings": d["settings"], "wall_seconds": d["wall_seconds"]}]
+    pooled = {name: [by_split[s] for s in sorted(by_split)]
+              for name, by_split in sorted(results.items())}
+    write(args, pooled, speeds, {"merged_from": parts})
 
 
 if __name__ == "__main__":

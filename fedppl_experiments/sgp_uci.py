@@ -90,11 +90,29 @@ def fit_one(method: str, prep: Prepared, num_rounds: int, config: Any = None, se
 def run(path: str, split: int = 0, num_clients: int = 10, methods: Sequence[str] = METHODS,
         num_rounds: int = 100, configs: dict[str, Any] | None = None, seed: int = 0,
         max_train: int | None = None, progress_bar: bool = True,
-        rounds: dict[str, int] | None = None) -> dict[str, dict[str, Any]]:
+        rounds: dict[str, int] | None = None, keep_going: bool = False
+        ) -> dict[str, dict[str, Any]]:
     """Fit and score every method on one split (see module doc); ``configs`` maps a method
     to its :class:`~fedppl.SGPConfig` or :class:`~fedppl.FSGPConfig`, ``rounds`` to a
-    number of rounds other than ``num_rounds`` (e.g. fewer optimisation rounds for ``global``)."""
+    number of rounds other than ``num_rounds`` (e.g. fewer optimisation rounds for ``global``).
+
+    With ``keep_going`` a method that raises (a numerical failure, such as a prediction that is
+    not finite) is recorded with NaN metrics and its ``error``, and the other methods still
+    run; otherwise the error propagates."""
     prep = prepare(path, split, num_clients, seed=seed, max_train=max_train)
-    return {method: fit_one(method, prep, (rounds or {}).get(method, num_rounds),
-                            (configs or {}).get(method), seed, progress_bar)
-            for method in methods}
+    out: dict[str, dict[str, Any]] = {}
+    for method in methods:
+        n = (rounds or {}).get(method, num_rounds)
+        start = time.perf_counter()
+        try:
+            out[method] = fit_one(method, prep, n, (configs or {}).get(method), seed,
+                                  progress_bar)
+        except (ValueError, FloatingPointError, np.linalg.LinAlgError) as err:
+            if not keep_going:
+                raise
+            out[method] = {"method": method, "error": f"{type(err).__name__}: {err}",
+                           "log_lik": float("nan"), "rmse": float("nan"), "rounds": n,
+                           "rounds_to_convergence": None,
+                           "seconds": time.perf_counter() - start,
+                           "seconds_per_round": float("nan"), "history": {}}
+    return out

@@ -107,9 +107,20 @@ class FSGPResult(Result):
         ``noise_aware=False``."""
         X = chk.check_inputs(X, self.params.inducing.shape[1])
         if self.privacy is None or not noise_aware:
-            return _predict(self.params, self.stats, jnp.asarray(X), self.jitter)
-        return _predict(self.params, self.stats, jnp.asarray(X), self.jitter,
-                        self.privacy["stat_noise_var"])
+            mean, var = _predict(self.params, self.stats, jnp.asarray(X), self.jitter)
+        else:
+            mean, var = _predict(self.params, self.stats, jnp.asarray(X), self.jitter,
+                                 self.privacy["stat_noise_var"])
+        if not bool(jnp.all(jnp.isfinite(mean)) & jnp.all(jnp.isfinite(var))):
+            h = self.params.hyper
+            cond = np.linalg.cond(np.asarray(alg.kuu(self.params, self.jitter)))
+            raise FloatingPointError(
+                f"FSGP's prediction is not finite: q(u) from the summed statistics is not "
+                f"positive definite at the learnt hyperparameters (noise variance "
+                f"{float(h.noise_var):.3g}, kernel variance {float(h.variance):.3g}; C_MM + "
+                f"{self.jitter:g} I has condition number {cond:.3g}). Train with a larger "
+                f"`jitter` (absolute, so in the kernel variance's units)")
+        return mean, var
 
     def _original(self, X: Any, y: Any, y_mean: float, y_std: float):
         mean, var = self.predict(X)

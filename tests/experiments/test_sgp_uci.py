@@ -46,3 +46,27 @@ def test_short_runs_score_in_original_units():
         assert r["seconds_per_round"] > 0
         assert r["rounds_to_convergence"] is None or 1 <= r["rounds_to_convergence"] <= 3
         assert r["history"]["round"] == [1, 2, 3]
+
+
+@needs_data
+def test_a_failing_method_is_recorded_and_the_others_still_run(monkeypatch):
+    """keep_going: one method's numerical failure is a row with NaN metrics and its error; off,
+    the error propagates."""
+    from fedppl.infer.fedavg_gp import FSGPConfig
+
+    real = sgp_uci.fit_one
+
+    def fit_one(method, *args, **kwargs):
+        if method == "dpo":
+            raise FloatingPointError("prediction is not finite")
+        return real(method, *args, **kwargs)
+
+    monkeypatch.setattr(sgp_uci, "fit_one", fit_one)
+    configs = {"fsgp": FSGPConfig(num_inducing=5, local_steps=5)}
+    rows = sgp_uci.run(str(YACHT), 0, 2, ["dpo", "fsgp"], 2, configs, max_train=40,
+                       progress_bar=False, keep_going=True)
+    assert rows["dpo"]["error"] == "FloatingPointError: prediction is not finite"
+    assert np.isnan(rows["dpo"]["log_lik"]) and rows["dpo"]["rounds"] == 2
+    assert np.isfinite(rows["fsgp"]["log_lik"]) and "error" not in rows["fsgp"]
+    with pytest.raises(FloatingPointError, match="not finite"):
+        sgp_uci.run(str(YACHT), 0, 2, ["dpo"], 2, max_train=40, progress_bar=False)

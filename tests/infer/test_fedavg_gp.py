@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 
 import jax
@@ -41,6 +42,19 @@ CFG = FSGPConfig(num_inducing=8, optimizer=optax.adam(0.05), local_steps=20)
 def fitted(sine):
     front = FSGP(CFG)
     return front, front.run(jax.random.key(1), sine[0], 3, progress_bar=False)
+
+
+def test_a_prediction_that_is_not_finite_is_a_clear_error(fitted):
+    """Statistics with which q(u) is not positive definite (here: a negative scatter): an error
+    naming the conditioning and the jitter, not NaN means that surface later in a metric."""
+    _, res = fitted
+    M = res.params.inducing.shape[0]
+    bad = dataclasses.replace(res, stats=res.stats._replace(scatter=-1e6 * np.eye(M)))
+    with pytest.raises(FloatingPointError, match=r"not finite.*condition number.*jitter"):
+        bad.predict(np.zeros((2, 1)))
+    with pytest.raises(FloatingPointError, match="not finite"):
+        bad.log_likelihood(np.zeros((2, 1)), np.zeros(2))
+    assert np.all(np.isfinite(np.asarray(res.predict(np.zeros((2, 1)))[0])))
 
 
 def _start(front, clients):
