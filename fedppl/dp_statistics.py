@@ -3,8 +3,9 @@
 FedBNR's last layer (:mod:`fedppl.algorithms.fedbnr`) and FSGP's aggregation round
 (:mod:`fedppl.algorithms.fsgp`) both let each client send the sums ``S = Phi^T Phi``,
 ``b = Phi^T y`` and its count ``n`` (:class:`fedppl.algorithms.exact.Stats`), where a row
-``phi_n`` of ``Phi`` is a record's feature vector (random features for FedBNR, ``k(x_n, Z)``
-for FSGP). This module makes that message private with the Gaussian mechanism, in one place:
+``phi_n`` of ``Phi`` is a record's feature vector (random features for FedBNR, the whitened
+``L^-1 k(Z, x_n)`` for FSGP). This module makes that message private with the Gaussian
+mechanism, in one place:
 
 * **Bounded contributions.** Before summing, every feature row is clipped to L2 norm
   ``B_x = feature_bound`` and every target to ``[-B_y, B_y]`` (``B_y = target_bound``). One

@@ -4,15 +4,18 @@ Training follows the FSGP paper: each round every client takes ``local_steps`` o
 its own per-point collapsed bound from the server's parameters, and the server averages them with
 weights ``N_k / N`` (synchronous: every client takes part every round, where the paper samples
 ``max(K rho, 1)`` of them). After the last round the server switches to its aggregation phase: one
-more round in which each client sends ``A_k = C_MNk C_MNk^T``, ``b_k = C_MNk y_k`` and ``N_k``, and
-the server predicts from the sums (Eqs. 14-15 of the paper). Both phases are
-:mod:`fedppl.algorithms.fsgp`'s trio, run by the embedded runtime.
+more round in which each client sends ``A_k = C_MNk C_MNk^T``, ``b_k = C_MNk y_k`` and ``N_k``
+(whitened by ``L^-1``, ``L = chol(C_MM + jitter I)``: the same posterior, computable where the
+plain sums are not; :mod:`fedppl.algorithms.fsgp`), and the server predicts from the sums
+(Eqs. 14-15 of the paper). Both phases are :mod:`fedppl.algorithms.fsgp`'s trio, run by the
+embedded runtime.
 
 Inputs and targets are expected standardised (``fedppl.datasets.Standardiser``).
 
 Private statistics: ``privacy=PrivateStatistics(...)`` (:mod:`fedppl.dp_statistics`) noises the
-aggregation round's statistics on each client (one release per client; rows ``k(x_n, Z)`` and
-targets clipped first). The result's ``privacy`` holds each client's ``epsilon``, the worst, and
+aggregation round's statistics on each client (one release per client; whitened rows
+``L^-1 k(Z, x_n)``, whose squared norm is at most the kernel variance, and targets clipped
+first). The result's ``privacy`` holds each client's ``epsilon``, the worst, and
 ``repaired`` (eigenvalues the server raised to make the sum PSD); ``predict`` widens the variance
 by the noise's effect on the mean. The FedAvg rounds' parameters and counts are not protected.
 

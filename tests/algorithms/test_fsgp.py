@@ -9,7 +9,7 @@ import optax
 import pytest
 
 from fedppl.algorithms import exact, fedavg, fsgp
-from fedppl.models import gp
+from fedppl.models import gp, sparse_gp
 from fedppl.models.kernels import SEParams
 from fedppl.runtime import make_round
 
@@ -111,11 +111,32 @@ def test_prediction_with_z_equal_x_is_the_exact_gp():
     X, y = _data(n=15, d=1)
     Xs, _ = _data(n=10, d=1, seed=2)
     p = _params(X, ls=(1.0,))
-    msgs = [stats(p, Xk, yk) for Xk, yk in _split(X, y, [6, 9])]
+    # the clients whiten with the jitter the server predicts with
+    msgs = [stats(p, Xk, yk, None, 1e-10) for Xk, yk in _split(X, y, [6, 9])]
     mean, var = predict(p, _sum(msgs), Xs, jitter=1e-10)
     ref_mean, ref_var = jax.jit(gp.predict)(p.hyper, X, y, Xs)
     np.testing.assert_allclose(mean, ref_mean, atol=1e-6)
     np.testing.assert_allclose(var, ref_var + p.hyper.noise_var, atol=1e-6)
+
+
+def test_whitened_statistics_keep_an_ill_conditioned_posterior_computable():
+    """Almost noiseless data (noise sd 1e-3) and a large kernel variance (400): C_MM's condition
+    number is about 1e10 (naval-propulsion-plant's regime). Whitening the plain sums on the
+    server gives a q(u) that is not positive definite (NaN); the clients' whitened statistics
+    give the function to 1e-3."""
+    rng = np.random.default_rng(0)
+    X = jnp.asarray(rng.uniform(-3, 3, (300, 1)))
+    y = jnp.sin(X[:, 0]) + 1e-3 * jnp.asarray(rng.normal(size=300))
+    p = _params(X[:30], ls=(3.0,), var=400.0, noise=1e-3)
+    assert np.linalg.cond(np.asarray(fsgp.kuu(p))) > 1e9
+    plain = exact.client_stats(p.hyper.kernel(X, p.inducing), y, jnp.ones(300))
+    s2 = p.hyper.noise_var
+    naive = sparse_gp.posterior_from_B(fsgp.kuu(p), plain.scatter / s2, plain.proj / s2)
+    assert not bool(jnp.all(jnp.isfinite(naive.C)))
+    msgs = [stats(p, Xk, yk) for Xk, yk in _split(X, y, [100, 200])]
+    mean, var = predict(p, _sum(msgs), X[:50])
+    assert bool(jnp.all(jnp.isfinite(var)))
+    np.testing.assert_allclose(mean, jnp.sin(X[:50, 0]), atol=1e-3)
 
 
 # 4 ----------------------------------------------------------------------------------------------
