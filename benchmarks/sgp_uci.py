@@ -94,27 +94,27 @@ def _cell(vals: list[float], digits: int = 3) -> str:
 
 
 def table(results: dict, methods: list[str], metric: str) -> str:
-    lines = ["| dataset | " + " | ".join(methods) + " |", "|---|" + "---:|" * len(methods)]
+    lines = ["| dataset (splits) | " + " | ".join(methods) + " |", "|---|" + "---:|" * len(methods)]
     for name, runs in results.items():
         cells = [_cell([r[m][metric] for r in runs]) for m in methods]
-        lines.append(f"| {name} | " + " | ".join(cells) + " |")
+        lines.append(f"| {name} ({len(runs)}) | " + " | ".join(cells) + " |")
     return "\n".join(lines)
 
 
 def gap_table(results: dict, methods: list[str]) -> str:
     """Test log-likelihood of each federated method minus global VI's (nats; mean over splits)."""
     others = [m for m in methods if m != "global"]
-    lines = ["| dataset | " + " | ".join(others) + " |", "|---|" + "---:|" * len(others)]
+    lines = ["| dataset (splits) | " + " | ".join(others) + " |", "|---|" + "---:|" * len(others)]
     for name, runs in results.items():
         if "global" not in runs[0]:
             continue
         cells = [_cell([r[m]["log_lik"] - r["global"]["log_lik"] for r in runs]) for m in others]
-        lines.append(f"| {name} | " + " | ".join(cells) + " |")
+        lines.append(f"| {name} ({len(runs)}) | " + " | ".join(cells) + " |")
     return "\n".join(lines)
 
 
 def rounds_table(results: dict, methods: list[str]) -> str:
-    lines = ["| dataset | " + " | ".join(methods) + " |", "|---|" + "---:|" * len(methods)]
+    lines = ["| dataset (splits) | " + " | ".join(methods) + " |", "|---|" + "---:|" * len(methods)]
     for name, runs in results.items():
         cells = []
         for m in methods:
@@ -123,7 +123,7 @@ def rounds_table(results: dict, methods: list[str]) -> str:
             med = np.median([x for x in r2c if x is not None]) if any(
                 x is not None for x in r2c) else float("nan")
             cells.append(f"{med:.0f} ({spr:.2f} s)")
-        lines.append(f"| {name} | " + " | ".join(cells) + " |")
+        lines.append(f"| {name} ({len(runs)}) | " + " | ".join(cells) + " |")
     return "\n".join(lines)
 
 
