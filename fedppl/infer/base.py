@@ -87,6 +87,17 @@ class Result:
     def to_arviz(self, *args: Any, **kwargs: Any):
         raise NotImplementedError
 
+    def check(self, *args: Any, **kwargs: Any):
+        """How far the answer is from the pooled posterior (results with a Gaussian ``q`` over a
+        NumPyro model's global sites: PVI, GlobalVI, EP, OneShot)."""
+        raise TypeError(f"{type(self).__name__} has no Gaussian q over a NumPyro model's global "
+                        "sites to check against the pooled posterior: check and refine apply "
+                        "to the results of PVI, GlobalVI, EP and OneShot")
+
+    def refine(self, *args: Any, **kwargs: Any):
+        """Importance-corrected pooled posterior (see :meth:`check`)."""
+        return self.check(*args, **kwargs)
+
     def _client_index(self, client: int | str, num_clients: int) -> int:
         """``client`` (a name from ``client_names``, or an index) as an index below
         ``num_clients``."""

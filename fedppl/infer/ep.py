@@ -34,7 +34,7 @@ from fedppl.algorithms import conjugate, ep, pvi
 from fedppl.clients import Clients
 from fedppl.guides.pvi_guide import PVIGuide
 from fedppl.handlers.client import client
-from fedppl.infer.variational import PVI, PVIResult, _check_clients
+from fedppl.infer.variational import PVI, PVIResult, check_clients
 from fedppl.runtime.embedded import SCHEDULES
 
 __all__ = ["EP", "EPResult"]
@@ -183,7 +183,7 @@ class EP(PVI):
         """The guide set up for these clients, and each client's share of the prior's
         correction (None for a Gaussian prior)."""
         guide = self.guide.setup(*clients.client(0), **model_kwargs)
-        _check_clients(guide, clients, model_kwargs)
+        check_clients(guide, clients, model_kwargs)
         correction = guide.prior_correction
         return guide, None if correction is None else _Share(correction, 1 / clients.num_clients)
 

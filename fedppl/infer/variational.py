@@ -126,6 +126,42 @@ class PVIResult(Result):
 
         return to_inference_data(self, rng_key, num_samples)
 
+    def check(self, rng_key: Array, clients: Clients, num_draws: int = 1000, *,
+              progress_bar: bool = False, **kwargs: Any):
+        """How far ``q`` is from the posterior the pooled data give, in one more round: ``S``
+        draws of the global sites to every client, ``S`` log-likelihoods back; Pareto k-hat,
+        effective sample size and corrected moments (:class:`fedppl.infer.importance.Importance`
+        takes the other keyword arguments: ``df``, ``local_draws``, ...; the rest are the
+        model's static keyword arguments, by default those the run was given). Warns when k-hat
+        says the answer is unreliable. Needs ``fedppl[arviz]`` (ArviZ's PSIS)."""
+        return self._importance(rng_key, clients, 1, num_draws, progress_bar, kwargs)
+
+    def refine(self, rng_key: Array, clients: Clients, num_rounds: int = 10,
+               num_draws: int = 1000, *, progress_bar: bool = True, **kwargs: Any):
+        """The check's exchange repeated (round 1 is the check), each round proposing from a t
+        fitted to the weighted draws so far, until k-hat is below ``khat_target`` (0.5) and the
+        ESS above ``ess_target`` (400), or ``num_rounds``: an
+        :class:`~fedppl.infer.importance.ImportanceResult` whose moments and draws converge to
+        the pooled posterior's as the draws grow."""
+        return self._importance(rng_key, clients, num_rounds, num_draws, progress_bar, kwargs)
+
+    def _importance(self, rng_key, clients, num_rounds, num_draws, progress_bar, kwargs):
+        from fedppl.infer.importance import SETTINGS, Importance
+
+        if self.privacy is not None:
+            raise ValueError("this run is differentially private, and the check's messages (each "
+                             "client's log-likelihood at shared draws) are not privatised or "
+                             "accounted for: fedppl refuses to check a private run rather than "
+                             "spend privacy it has not counted")
+        warn = bool(kwargs.pop("warn", True))
+        settings = {k: kwargs.pop(k) for k in list(kwargs) if k in SETTINGS}
+        model_kwargs = dict(getattr(self.model, "keywords", None) or {})
+        model_kwargs.update(kwargs)
+        method = Importance(self.guide.model, self.guide, self.q, num_draws=num_draws,
+                            **settings)
+        return method.run(rng_key, clients, num_rounds, progress_bar=progress_bar,
+                          local=self.local, warn=warn, **model_kwargs)
+
 
 class PVI(FederatedMethod):
     """Partitioned variational inference over the global sites of a NumPyro model.
@@ -239,7 +275,7 @@ class PVI(FederatedMethod):
         has_local = self.guide.local_layout is not None
         if self.conjugate == "polya-gamma" and self.guide.local_layout is None:
             polya_gamma.validate(model, self.guide, clients)  # its own, more specific errors
-        _check_clients(self.guide, clients, model_kwargs)
+        check_clients(self.guide, clients, model_kwargs)
         correction = self.guide.prior_correction
         fold_prior = self._pooled and correction is not None
 
@@ -455,7 +491,7 @@ class PVI(FederatedMethod):
         stop = None if tol is None else (lambda info: info["kl_change"] <= tol)
         return self._loop(state, num_rounds, progress_bar, stop)
 
-def _check_clients(guide: PVIGuide, clients: Clients, model_kwargs: dict) -> None:
+def check_clients(guide: PVIGuide, clients: Clients, model_kwargs: dict) -> None:
     """Before anything is compiled: every client's observations lie in their likelihood's
     support (Bernoulli labels in {0, 1}, counts non-negative integers...), and every client's
     model gives each local site the shape of the padded prototype."""

@@ -1,0 +1,402 @@
+"""``Importance``: check a federated posterior against the pooled one, and correct it.
+
+Any result with a Gaussian ``q`` over a model's global sites (:class:`fedppl.PVI`,
+:class:`fedppl.GlobalVI`, :class:`fedppl.EP`, :class:`fedppl.OneShot`) can be checked without a
+record leaving a client: the server sends ``S`` draws of the global sites, each client sends back
+its log-likelihood at each draw (``S`` numbers), and Pareto-smoothed importance sampling says how
+far ``q`` is from the posterior the pooled data would give (Pareto ``k-hat``) and corrects its
+moments (:mod:`fedppl.algorithms.importance` has the estimators). ``result.check(...)`` is one
+round; ``result.refine(...)`` repeats the exchange with proposals adapted to the weighted draws
+until ``k-hat`` is below ``khat_target`` and the effective sample size above ``ess_target``.
+
+Reading ``k-hat`` (Vehtari et al., 2024): below 0.5 the draws' weights are well behaved and the
+corrected moments are accurate (q itself is close); up to the threshold
+``min(1 - 1/log10(N), 0.7)`` the correction still converges, slowly; above it the importance
+estimates are unreliable and q may be far off (a warning says so): refine.
+
+Example (a conjugate model, q exact: k-hat small, the corrected moments are q's)::
+
+    >>> import jax, numpy as np, fedppl
+    >>> from fedppl.models import linear_regression as model
+    >>> rng = np.random.default_rng(0)
+    >>> X = rng.normal(size=(200, 2))
+    >>> clients = fedppl.partition.homogeneous(X, X @ np.ones(2) + rng.normal(size=200),
+    ...                                        num_clients=4, seed=0)
+    >>> result = fedppl.PVI(model, fedppl.PVIGuide(model, family="fullrank")).run(
+    ...     jax.random.key(0), clients, num_rounds=2, progress_bar=False)
+    >>> check = result.check(jax.random.key(1), clients, num_draws=500, progress_bar=False)
+    >>> bool(check.khat < 0.5), check.history["messages_up"].tolist()
+    (True, [4])
+"""
+
+from __future__ import annotations
+
+import time
+import warnings
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from functools import partial
+from typing import Any, NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax import Array
+from tqdm.auto import tqdm
+
+from fedppl import validation
+from fedppl.algorithms import importance as imp
+from fedppl.clients import Clients
+from fedppl.families import gaussian as g
+from fedppl.guides.pvi_guide import PVIGuide
+from fedppl.infer.base import Result, check_rounds
+from fedppl.runtime.embedded import make_round
+
+__all__ = ["Importance", "ImportanceResult", "ImportanceState", "khat_threshold"]
+
+
+def khat_threshold(num_draws: int) -> float:
+    """The k-hat above which PSIS estimates from ``num_draws`` draws are unreliable:
+    ``min(1 - 1 / log10(S), 0.7)`` (Vehtari et al., 2024)."""
+    return float(min(1.0 - 1.0 / np.log10(num_draws), 0.7))
+
+
+class ImportanceState(NamedTuple):
+    """Everything a round needs and everything the rounds so far found: the proposals and how
+    many draws each gave, all draws ``(N, D)``, their log prior and the clients'
+    log-likelihoods ``(K, N)``, the next proposal, the clients' states (their private guides as
+    Laplace starting points, or None), their padded data, masks and names, the key and the
+    round."""
+
+    proposals: tuple[imp.Proposal, ...]
+    counts: tuple[int, ...]
+    draws: np.ndarray
+    log_prior: np.ndarray
+    log_lik: np.ndarray
+    next: imp.Proposal
+    clients: Any
+    data: tuple
+    masks: Array
+    names: tuple[str, ...]
+    rng_key: Array
+    round: int
+
+
+@dataclass(kw_only=True)
+class ImportanceResult(Result):
+    """Weighted draws of the pooled posterior over the global sites, and how far to trust them.
+
+    ``khat`` (Pareto k-hat of the importance weights) and ``ess`` (their effective sample size)
+    say how reliable the weights are; ``mean_and_cov()`` are the corrected moments over the flat
+    unconstrained vector (compare ``start_moments``, the answer that was checked);
+    ``sample`` resamples draws by their weights; ``loo()`` gives each client's
+    leave-one-client-out predictive density; ``history`` has one row per round with ``khat``
+    and ``ess`` besides the common columns.
+    """
+
+    guide: PVIGuide
+    draws: np.ndarray
+    log_ratios: np.ndarray
+    log_weights: np.ndarray
+    log_lik: np.ndarray
+    khat: float
+    ess: float
+    start_moments: tuple[np.ndarray, np.ndarray]
+    proposals: tuple[imp.Proposal, ...] = field(default=())
+
+    @property
+    def threshold(self) -> float:
+        """The k-hat above which these weights are unreliable (for this many draws)."""
+        return khat_threshold(len(self.draws))
+
+    @property
+    def reliable(self) -> bool:
+        return bool(self.khat <= self.threshold)
+
+    def mean_and_cov(self) -> tuple[np.ndarray, np.ndarray]:
+        """Importance-corrected mean and covariance over the flat unconstrained vector."""
+        return imp.weighted_moments(self.draws, self.log_weights)
+
+    def sample(self, rng_key: Array, num_samples: int) -> dict[str, Array]:
+        """Draws resampled by their weights, constrained, keyed by site name (repeats where few
+        draws carry the weight: read ``ess`` beside them)."""
+        idx = imp.resample(rng_key, self.log_weights, num_samples)
+        return self.guide._require_setup().constrain(jnp.asarray(self.draws[idx]))
+
+    def loo(self):
+        """Leave-one-client-out cross-validation as an ``arviz.ELPDData`` (``az.compare``
+        takes it): ``loo_i`` is each client's ``log p(y_k | y_-k)``, ``pareto_k`` its k-hat."""
+        from fedppl.arviz import _arviz
+
+        az = _arviz()
+        import xarray as xr
+
+        elpd_i, khat = imp.leave_one_out(self.log_ratios, self.log_lik)
+        lppd_i = np.asarray([float(jax.scipy.special.logsumexp(jnp.asarray(self.log_weights + ll)))
+                             for ll in self.log_lik])
+        names = list(self.client_names)
+        n, K = len(self.draws), len(elpd_i)
+        bad = khat > self.threshold
+        if bad.any():
+            warnings.warn(f"leave-one-client-out estimates are unreliable for "
+                          f"{[names[k] for k in np.nonzero(bad)[0]]} (k-hat above "
+                          f"{self.threshold:.2f}): refit without those clients to compare models",
+                          UserWarning, stacklevel=2)
+        return az.ELPDData(
+            data=[float(elpd_i.sum()), float(np.sqrt(K * np.var(elpd_i))),
+                  float(lppd_i.sum() - elpd_i.sum()), n, K, bool(bad.any()),
+                  xr.DataArray(elpd_i, dims=["client"], coords={"client": names},
+                               name="loo_i"),
+                  xr.DataArray(khat, dims=["client"], coords={"client": names}), "log",
+                  self.threshold],
+            index=["elpd_loo", "se", "p_loo", "n_samples", "n_data_points", "warning", "loo_i",
+                   "pareto_k", "scale", "good_k"])
+
+    def summary(self) -> dict[str, Any]:
+        out = super().summary()
+        out.update(khat=self.khat, ess=self.ess, draws=len(self.draws))
+        return out
+
+    def to_arviz(self, rng_key: Array | None = None, num_samples: int = 1000):
+        """``arviz.InferenceData``: resampled posterior draws (one chain), the clients'
+        log-likelihoods at them (group ``log_likelihood``, variable ``clients``, dimension
+        ``client``: ``az.loo`` over clients), and ``khat``/``ess`` as attributes."""
+        from fedppl.arviz import _arviz
+
+        az = _arviz()
+        key = jax.random.key(0) if rng_key is None else rng_key
+        idx = imp.resample(key, self.log_weights, num_samples)
+        draws = self.guide._require_setup().constrain(jnp.asarray(self.draws[idx]))
+        post = {k: np.asarray(v)[None] for k, v in draws.items()}
+        ll = {"clients": self.log_lik[:, idx].T[None]}
+        idata = az.from_dict(posterior=post, log_likelihood=ll,
+                             coords={"client": list(self.client_names)},
+                             dims={"clients": ["client"]})
+        idata.posterior.attrs.update(khat=self.khat, ess=self.ess, num_draws=len(self.draws),
+                                     reliable=int(self.reliable))
+        return idata
+
+
+class Importance:
+    """Importance sampling of the pooled posterior from a federated answer (the front of the
+    check and of the refinement, with numpyro ``SVI``'s shape: ``init`` / ``update`` / ``run``).
+
+    :param model: the NumPyro model (the static keyword arguments are given to :meth:`run`).
+    :param guide: the :class:`~fedppl.guides.PVIGuide` the answer was fitted with (its layout
+        names the global sites and the prior).
+    :param start: the answer to check: a Gaussian over the flat unconstrained global vector.
+    :param num_draws: ``S``, the draws each round sends each client (at least 100).
+    :param first_df: degrees of freedom of the first proposal, centred at ``start`` with its
+        covariance as scale (default ``inf``: ``start`` itself). The first round is the check,
+        and its k-hat diagnoses ``start`` only when the draws come from ``start``: the tail of
+        ``pi / q`` under ``q`` is what grows heavy when ``q`` is too narrow or misplaced (Yao et
+        al., 2018). Under a heavier-tailed proposal the weights stay bounded whatever ``q`` is,
+        so k-hat would say that the importance estimate is sound, not that ``q`` is.
+    :param df: degrees of freedom of the proposals fitted in later rounds (default 7). There
+        the aim is the estimate: a t with the fitted scale matrix loses little where the fit is
+        right (in many dimensions the draws' radii concentrate where the two densities agree)
+        and keeps the weights bounded in the tails, where a Gaussian fit to a skewed or wider
+        posterior is too light.
+    :param local_draws: with local sites, each client's importance draws per global draw for its
+        log marginal likelihood (Laplace proposal, antithetic pairs; even).
+    :param newton_steps: Newton steps to each local Laplace mode.
+    :param khat_target, ess_target: :meth:`run` stops after a round whose weights have k-hat
+        below ``khat_target`` and ESS above ``ess_target``.
+    :param batch_size: draws a client evaluates at once (memory ``O(batch d^2)`` with local
+        sites of dimension ``d``).
+    """
+
+    name = "Importance"
+
+    def __init__(self, model: Callable, guide: PVIGuide, start: g.Gaussian, *,
+                 num_draws: int = 1000, first_df: float = np.inf, df: float = 7.0,
+                 local_draws: int = 32,
+                 newton_steps: int = 10, khat_target: float = 0.5, ess_target: float = 400.0,
+                 batch_size: int = 256):
+        num_draws = validation.positive_int(num_draws, "num_draws")
+        if num_draws < imp.MIN_DRAWS:
+            raise ValueError(f"num_draws must be at least {imp.MIN_DRAWS} (the Pareto fit of "
+                             f"k-hat needs draws in the tail), got {num_draws}")
+        for name, value in (("first_df", first_df), ("df", df)):
+            if not value > 0:
+                raise ValueError(f"{name} must be positive (inf for a Gaussian proposal), got "
+                                 f"{value}")
+        local_draws = validation.positive_int(local_draws, "local_draws")
+        if local_draws % 2:
+            raise ValueError(f"local_draws must be even (antithetic pairs), got {local_draws}")
+        self.model, self.guide, self.start = model, guide, start
+        self.num_draws, self.local_draws = num_draws, local_draws
+        self.first_df, self.df = float(first_df), float(df)
+        self.newton_steps = validation.positive_int(newton_steps, "newton_steps")
+        self.khat_target, self.ess_target = float(khat_target), float(ess_target)
+        self.batch_size = validation.positive_int(batch_size, "batch_size")
+
+    def init(self, rng_key: Array, clients: Clients, local: Any = None,
+             **model_kwargs: Any) -> ImportanceState:
+        """Check the clients against the answer's model and guide; the first proposal is
+        ``start`` itself (or, with ``first_df``, the t with its mean and covariance as scale).
+        ``local``: the clients' private guides (stacked), starting points of their Laplace
+        steps."""
+        rng_key = validation.rng_key(rng_key)
+        layout = self._check(clients, model_kwargs)
+        first = imp.from_gaussian(self.start, self.first_df)
+        if local is not None and jax.tree_util.tree_leaves(local)[0].shape[0] != len(
+                clients.names):
+            local = None  # a pooled answer's guide: start each Laplace step at zero instead
+        D = layout.dim
+        dtype = first.mean.dtype
+        return ImportanceState((), (), np.zeros((0, D), dtype), np.zeros(0),
+                               np.zeros((clients.num_clients, 0)), first, local,
+                               clients.stacked, clients.mask, clients.names, rng_key, 0)
+
+    def _check(self, clients: Clients, model_kwargs: dict):
+        from fedppl.infer.variational import check_clients
+
+        if not isinstance(clients, Clients):
+            raise TypeError(f"clients must be a fedppl.Clients (see fedppl.partition), got "
+                            f"{type(clients).__name__}")
+        guide = self.guide
+        if guide._signature is not None:
+            want = [shape[1:] for shape in guide._signature[0]]
+            got = [np.shape(a)[1:] for a in clients.client(0)]
+            if want != got:
+                raise ValueError(f"the clients' arrays have trailing shapes {got}, the answer "
+                                 f"was fitted on {want}: these are not the run's clients")
+        guide.setup(*clients.client(0), **model_kwargs)
+        check_clients(guide, clients, model_kwargs)
+        layout = guide._require_setup()
+        if layout.dim != self.start.nat1.shape[-1]:
+            raise ValueError(f"with these clients the model has {layout.dim} global "
+                             f"coordinates, the answer {self.start.nat1.shape[-1]}")
+        self._compiled = _compiled(self.model, guide, model_kwargs, self.local_draws,
+                                   self.newton_steps, self.batch_size)
+        return layout
+
+    def update(self, state: ImportanceState) -> tuple[ImportanceState, dict[str, Any]]:
+        """One exchange: draws from ``state.next`` down, log-likelihoods up; then the weights
+        of all draws so far, their k-hat and ESS, and the next proposal."""
+        if not hasattr(self, "_compiled"):
+            raise RuntimeError("call Importance.init(rng_key, clients) before update")
+        round_fn, log_prior_fn = self._compiled
+        K = state.masks.shape[0]
+        rng_key, k_draw, k_clients = jax.random.split(state.rng_key, 3)
+        draws = imp.sample(k_draw, state.next, self.num_draws)
+        t0 = time.perf_counter()
+        _, _, msgs, _ = round_fn(imp.Broadcast(draws), state.clients, state.data, state.masks,
+                                 jax.random.split(k_clients, K), jnp.ones(K, bool), k_draw)
+        msgs = np.asarray(jax.block_until_ready(msgs), np.float64)
+        seconds = time.perf_counter() - t0
+        _check_messages(msgs, state.names)  # before anything is kept
+        proposals = (*state.proposals, state.next)
+        counts = (*state.counts, self.num_draws)
+        all_draws = np.concatenate([state.draws, np.asarray(draws)])
+        log_prior = np.concatenate([state.log_prior, np.asarray(log_prior_fn(draws),
+                                                                np.float64)])
+        log_lik = np.concatenate([state.log_lik, msgs], axis=1)
+        ratios = _log_ratios(proposals, counts, all_draws, log_prior, log_lik)
+        lw, khat = imp.psis(ratios)
+        n_eff = imp.ess(lw)
+        D = all_draws.shape[1]
+        min_ess = min(max(5.0 * D, self.num_draws / 10), self.num_draws / 2)
+        nxt = imp.tempered_fit(all_draws, ratios, state.next, min_ess, self.df)
+        new = ImportanceState(proposals, counts, all_draws, log_prior, log_lik, nxt,
+                              state.clients, state.data, state.masks, state.names, rng_key,
+                              state.round + 1)
+        item = np.dtype(draws.dtype).itemsize
+        info = {"round": new.round, "seconds": seconds, "messages_up": K, "messages_down": K,
+                "bytes_up": K * self.num_draws * item,
+                "bytes_down": K * self.num_draws * D * item, "rejected": 0,
+                "khat": khat, "ess": n_eff}
+        return new, info
+
+    def run(self, rng_key: Array, clients: Clients, num_rounds: int = 1, *,
+            progress_bar: bool = True, local: Any = None, warn: bool = True,
+            **model_kwargs: Any) -> ImportanceResult:
+        """Up to ``num_rounds`` exchanges, stopping once k-hat is below ``khat_target`` and the
+        ESS above ``ess_target``; warns when the final k-hat is above the reliability
+        threshold."""
+        num_rounds = check_rounds(num_rounds)
+        state = self.init(rng_key, clients, local, **model_kwargs)
+        rows = []
+        bar = tqdm(range(num_rounds), desc=self.name, disable=not progress_bar)
+        for _ in bar:
+            state, info = self.update(state)
+            rows.append(info)
+            bar.set_postfix(khat=f"{info['khat']:.2f}", ess=f"{info['ess']:.0f}")
+            if info["khat"] < self.khat_target and info["ess"] >= self.ess_target:
+                break
+        bar.close()
+        result = self.result(state, {k: np.asarray([r[k] for r in rows]) for k in rows[0]})
+        if warn and not result.reliable:
+            warnings.warn(_advice(result, num_rounds), UserWarning, stacklevel=2)
+        return result
+
+    def result(self, state: ImportanceState, history: dict[str, np.ndarray]
+               ) -> ImportanceResult:
+        """The weighted draws of ``state`` as a result."""
+        ratios = _log_ratios(state.proposals, state.counts, state.draws, state.log_prior,
+                             state.log_lik)
+        lw, khat = imp.psis(ratios)
+        return ImportanceResult(guide=self.guide, draws=state.draws, log_ratios=ratios,
+                                log_weights=lw, log_lik=state.log_lik, khat=khat,
+                                ess=imp.ess(lw), history=history, client_names=state.names,
+                                start_moments=tuple(np.asarray(m) for m in
+                                                    g.to_moments(g.to_full(self.start))),
+                                proposals=state.proposals)
+
+
+def _log_ratios(proposals, counts, draws, log_prior, log_lik) -> np.ndarray:
+    log_g = np.asarray(imp.mixture_log_prob(list(proposals), list(counts), jnp.asarray(draws)),
+                       np.float64)
+    return log_prior + log_lik.sum(0) - log_g
+
+
+def _check_messages(msgs: np.ndarray, names: tuple[str, ...]) -> None:
+    """A log-likelihood may be -inf (a draw the data rule out), never NaN or +inf."""
+    for k, row in enumerate(msgs):
+        if np.isnan(row).any() or np.isposinf(row).any():
+            bad = int(np.sum(np.isnan(row) | np.isposinf(row)))
+            raise ValueError(f"{names[k]} returned {bad} log-likelihoods that are NaN or +inf "
+                             "(of its data at the broadcast draws); nothing was kept. Check "
+                             "its data and the model's likelihood at these parameter values")
+        if np.isneginf(row).all():
+            raise ValueError(f"{names[k]}: its data have zero likelihood at every draw; the "
+                             "answer being checked cannot be right for this client")
+
+
+def _advice(result: ImportanceResult, rounds: int) -> str:
+    return (f"Pareto k-hat {result.khat:.2f} is above {result.threshold:.2f}: the federated "
+            f"answer is far from the posterior the pooled data give (after {rounds} round(s), "
+            f"ESS {result.ess:.0f} of {len(result.draws)} draws), and importance estimates from "
+            "it are unreliable. Run result.refine(...) with more rounds or num_draws, or a "
+            "richer guide (family='fullrank', more PVI rounds), and check again")
+
+
+_CACHE: dict = {}
+
+
+def _compiled(model: Callable, guide: PVIGuide, model_kwargs: dict, local_draws: int,
+              newton_steps: int, batch_size: int):
+    """The compiled exchange and the server's log prior, shared by every check of the same
+    model, guide and settings."""
+    key = (model, id(guide), guide._signature, repr(sorted(model_kwargs.items())), local_draws,
+           newton_steps, batch_size)
+    if key not in _CACHE:
+        bound = partial(model, **model_kwargs) if model_kwargs else model
+        trio = imp.make_trio(imp.client_log_lik(bound, guide, local_draws, newton_steps,
+                                                batch_size))
+        prior, correction = guide._require_prior(), guide.prior_correction
+
+        @jax.jit
+        def log_prior(draws):
+            lp = jax.vmap(lambda th: g.log_prob(prior, th))(draws)
+            return lp if correction is None else lp + jax.vmap(correction)(draws)
+
+        _CACHE[key] = (make_round(trio, "synchronous"), log_prior)
+    return _CACHE[key]
+
+
+# the keyword arguments of ``PVIResult.check`` and ``refine`` that are the check's settings (the
+# others are the model's)
+SETTINGS = ("first_df", "df", "local_draws", "newton_steps", "khat_target", "ess_target",
+            "batch_size")

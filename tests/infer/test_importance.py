@@ -1,0 +1,227 @@
+"""``result.check`` and ``result.refine`` against exact posteriors: a conjugate model where q is
+exact (and where it is made too narrow on purpose), random intercepts with a weakly identified
+scale against a quadrature of the exact marginal likelihood, leave-one-client-out against the
+closed form, the ArviZ export, and bad input."""
+
+from __future__ import annotations
+
+import dataclasses
+import warnings
+
+import arviz as az
+import jax
+import numpy as np
+import numpyro
+import numpyro.distributions as dist
+import pytest
+from scipy import stats
+
+import fedppl
+from fedppl.families import gaussian as g
+from fedppl.infer.base import Result
+from fedppl.infer.importance import ImportanceResult, _check_messages
+from tests.conftest import exact_linear_posterior, linear_model
+
+D, K = 10, 5
+
+
+@pytest.fixture(scope="module")
+def conjugate():
+    """Ten features, five clients: PVI's q is the exact posterior after one sequential pass."""
+    rng = np.random.default_rng(0)
+    X = rng.normal(size=(300, D))
+    y = X @ rng.normal(size=D) + 0.5 * rng.normal(size=300)
+    clients = fedppl.partition.homogeneous(X, y, num_clients=K, seed=0)
+    res = fedppl.PVI(linear_model, fedppl.PVIGuide(linear_model, family="fullrank")).run(
+        jax.random.key(0), clients, 2, progress_bar=False)
+    mean, cov = exact_linear_posterior(X, y)
+    return res, clients, mean, cov
+
+
+def errors(result, mean, cov):
+    m, c = result.mean_and_cov()
+    sd = np.sqrt(np.diag(cov))
+    return np.max(np.abs(m - mean) / sd), np.max(np.abs(np.sqrt(np.diag(c)) / sd - 1))
+
+
+def test_check_of_an_exact_answer(conjugate):
+    res, clients, mean, cov = conjugate
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # no warning for a sound answer
+        check = res.check(jax.random.key(1), clients, num_draws=1000)
+    assert check.khat < 0.5 and check.reliable
+    assert check.ess > 990  # q is the target: the weights are equal to rounding
+    mean_err, sd_err = errors(check, mean, cov)
+    # Monte Carlo error of 1000 draws: sd / sqrt(1000) = 0.032 sd per coordinate
+    assert mean_err < 0.15 and sd_err < 0.1
+    h = check.history
+    assert h["messages_up"].tolist() == [K] and h["round"].tolist() == [1]
+    assert h["bytes_up"][0] == K * 1000 * 8 and h["bytes_down"][0] == K * 1000 * D * 8
+    assert check.log_lik.shape == (K, 1000)
+    np.testing.assert_allclose(check.start_moments[0], res.mean_and_cov()[0])
+
+
+def test_a_too_narrow_answer_is_flagged_and_refined(conjugate):
+    """q with its sds halved: k-hat above 0.7 (with a warning a user can act on), and refine
+    brings the moments within 0.05 sd and 5% of the exact posterior."""
+    res, clients, mean, cov = conjugate
+    m, c = res.mean_and_cov()
+    narrow = dataclasses.replace(res, q=g.FullGaussian.from_moments(m, c / 4))
+    with pytest.warns(UserWarning, match="k-hat .* is above .*refine"):
+        check = narrow.check(jax.random.key(1), clients, num_draws=2000)
+    assert check.khat > 0.7 and not check.reliable
+    refined = narrow.refine(jax.random.key(1), clients, num_rounds=10, num_draws=2000,
+                            ess_target=4000, progress_bar=False)
+    assert refined.khat < 0.5 and refined.ess >= 4000
+    assert refined.num_rounds <= 10
+    assert refined.history["khat"][0] == check.khat  # the same key: round 1 is the check
+    mean_err, sd_err = errors(refined, mean, cov)
+    assert mean_err < 0.05 and sd_err < 0.05, (mean_err, sd_err)
+    draws = refined.sample(jax.random.key(3), 500)
+    assert draws["w"].shape == (500, D)
+
+
+def random_intercepts(gid, y=None, *, n_groups):
+    mu = numpyro.sample("mu", dist.Normal(0.0, 1.0))
+    tau = numpyro.sample("tau", dist.LogNormal(0.0, 1.0))
+    with numpyro.plate("groups", n_groups):
+        z = numpyro.sample("z", dist.Normal(0.0, 1.0))
+    with numpyro.plate("data", gid.shape[0]):
+        numpyro.sample("y", dist.Normal(mu + tau * z[gid], 1.0), obs=y)
+
+
+def grid_posterior(groups):
+    """Mean and sd of ``(mu, log tau)`` by quadrature of the exact marginal likelihood."""
+    mu = np.linspace(-2.5, 3.5, 241)
+    lt = np.linspace(-7, 2.5, 381)
+    M, L = np.meshgrid(mu, lt, indexing="ij")
+    T2 = np.exp(2 * L)
+    logp = stats.norm.logpdf(M) + stats.norm.logpdf(L)  # LogNormal(0, 1) in log tau, with Jacobian
+    for yj in groups:
+        n, s, ss = len(yj), yj.sum(), (yj**2).sum()
+        # N(mu 1, I + tau^2 11'): inverse I - c 11' with c = tau^2 / (1 + n tau^2)
+        c = T2 / (1 + n * T2)
+        quad = ss - 2 * M * s + n * M**2 - c * (s - n * M) ** 2
+        logp += -0.5 * (quad + np.log1p(n * T2) + n * np.log(2 * np.pi))
+    w = np.exp(logp - logp.max())
+    w /= w.sum()
+    mean = np.array([np.sum(w * M), np.sum(w * L)])
+    sd = np.sqrt(np.array([np.sum(w * M**2), np.sum(w * L**2)]) - mean**2)
+    return mean, sd
+
+
+def test_refine_reaches_the_pooled_posterior_with_local_sites():
+    """Twenty groups on ten clients, a weak group scale: PVI's Gaussian is off in the
+    log-scale (it cannot carry the skew); the check flags it and refine, with each client's
+    Laplace-importance marginal likelihood, lands within 0.1 sd and 10% of the quadrature."""
+    rng = np.random.default_rng(3)
+    J, n = 20, 4
+    a = 0.3 * rng.normal(size=J)
+    groups = [0.5 + a[j] + rng.normal(size=n) for j in range(J)]
+    parts = [(np.repeat([0, 1], n), np.concatenate([groups[2 * k], groups[2 * k + 1]]))
+             for k in range(J // 2)]
+    clients = fedppl.Clients.from_list(parts)
+    guide = fedppl.PVIGuide(random_intercepts, ("mu", "tau"), family="fullrank")
+    res = fedppl.PVI(random_intercepts, guide).run(jax.random.key(0), clients, 10,
+                                                   progress_bar=False, n_groups=2)
+    mean, sd = grid_posterior(groups)
+    q_mean = res.mean_and_cov()[0]
+    q_err = np.max(np.abs(np.asarray(q_mean) - mean) / sd)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        check = res.check(jax.random.key(1), clients, num_draws=1000)
+    refined = res.refine(jax.random.key(2), clients, num_rounds=8, num_draws=1000,
+                         progress_bar=False)
+    m, c = refined.mean_and_cov()
+    assert np.all(np.abs(m - mean) / sd < 0.1), (m, mean, sd)
+    assert np.all(np.abs(np.sqrt(np.diag(c)) / sd - 1) < 0.1), (np.sqrt(np.diag(c)), sd)
+    assert refined.khat < 0.5
+    # where the answer being corrected is off by more than 0.2 sd, the check says so
+    assert q_err <= 0.2 or check.khat > 0.7, (q_err, check.khat)
+
+
+def test_leave_one_client_out_against_the_closed_form():
+    """K = 5, a conjugate model: ``loo()`` matches ``p(y_k | y_-k)`` within 0.05 nats where its
+    k-hat is sound; a client unlike the others is flagged; ``az.compare`` takes the result."""
+    rng = np.random.default_rng(4)
+    X = rng.normal(size=(100, 2))
+    y = X @ np.array([1.0, -0.5]) + 0.5 * rng.normal(size=100)
+    clients = fedppl.partition.homogeneous(X, y, num_clients=5, seed=0)
+    guide = fedppl.PVIGuide(linear_model, family="fullrank")
+    res = fedppl.PVI(linear_model, guide).run(jax.random.key(0), clients, 2, progress_bar=False)
+    check = res.check(jax.random.key(0), clients, num_draws=4000)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        loo = check.loo()
+    sound = loo["pareto_k"].values < 0.7
+    assert sound.sum() >= 3
+    # a client whose leave-out weights are unreliable is named in a warning
+    assert all(any(name in str(w.message) for w in caught)
+               for name in np.asarray(clients.names)[~sound])
+    for k in np.nonzero(sound)[0]:
+        keep = [j for j in range(5) if j != k]
+        Xr = np.concatenate([clients.client(j)[0] for j in keep])
+        yr = np.concatenate([clients.client(j)[1] for j in keep])
+        m, c = exact_linear_posterior(Xr, yr)
+        Xk, yk = clients.client(k)
+        want = stats.multivariate_normal(Xk @ m, Xk @ c @ Xk.T + 0.25 * np.eye(len(yk))
+                                         ).logpdf(yk)
+        assert abs(float(loo["loo_i"][k]) - want) < 0.05
+    # an outlying client: its leave-out posterior is far from the pooled one
+    data = [clients.client(k) for k in range(4)] + [(X[:20], y[:20] + 8.0)]
+    odd = fedppl.Clients.from_list(data)
+    res2 = fedppl.PVI(linear_model, guide).run(jax.random.key(0), odd, 2, progress_bar=False)
+    with pytest.warns(UserWarning, match="client 4"):
+        loo2 = res2.check(jax.random.key(1), odd, num_draws=1000, warn=False).loo()
+    assert loo2["pareto_k"].values[4] > 0.7 and loo2["warning"]
+    table = az.compare({"base": loo, "other": loo2})
+    assert list(table.index) == ["base", "other"]
+
+
+def test_arviz_export_and_az_loo(conjugate):
+    res, clients, _, _ = conjugate
+    check = res.check(jax.random.key(1), clients, num_draws=500)
+    idata = check.to_arviz(jax.random.key(2), num_samples=400)
+    assert idata.posterior["w"].shape == (1, 400, D)
+    assert idata.log_likelihood["clients"].dims == ("chain", "draw", "client")
+    assert idata.posterior.attrs["khat"] == check.khat
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        assert np.isfinite(az.loo(idata).elpd_loo)
+    summary = check.summary()
+    assert summary["draws"] == 500 and summary["rounds"] == 1
+
+
+def test_check_of_global_vi_and_one_shot(conjugate):
+    """A pooled answer is checked on the federated clients; so is a one-shot merge."""
+    clients = conjugate[1]
+    guide = fedppl.PVIGuide(linear_model, family="fullrank")
+    pooled = fedppl.GlobalVI(linear_model, guide).run(jax.random.key(0), clients)
+    check = pooled.check(jax.random.key(1), clients, num_draws=500)
+    assert check.client_names == clients.names and check.khat < 0.5
+    shot = fedppl.OneShot(linear_model, fedppl.PVIGuide(linear_model, family="fullrank"),
+                          "laplace").run(jax.random.key(0), clients)
+    assert shot.check(jax.random.key(1), clients, num_draws=500).khat < 0.5
+
+
+def test_bad_input(conjugate):
+    res, clients, _, _ = conjugate
+    with pytest.raises(ValueError, match="at least 100"):
+        res.check(jax.random.key(1), clients, num_draws=50)
+    with pytest.raises(TypeError, match="no Gaussian q"):
+        Result(history={"round": np.arange(1)}).check(jax.random.key(1), clients)
+    rng = np.random.default_rng(0)
+    other = fedppl.partition.homogeneous(rng.normal(size=(60, 3)), rng.normal(size=60),
+                                         num_clients=K, seed=0)
+    with pytest.raises(ValueError, match="not the run's clients"):
+        res.check(jax.random.key(1), other)
+    private = dataclasses.replace(res, privacy={"worst_epsilon": 1.0, "delta": 1e-5})
+    with pytest.raises(ValueError, match="differentially private"):
+        private.check(jax.random.key(1), clients)
+    with pytest.raises(ValueError, match=r"odd .*NaN"):
+        _check_messages(np.array([[0.0, -1.0], [np.nan, 0.0]]), ("fine", "odd"))
+    with pytest.raises(ValueError, match="zero likelihood at every draw"):
+        _check_messages(np.array([[-np.inf, -np.inf]]), ("odd",))
+    with pytest.raises(TypeError, match=r"fedppl\.Clients"):
+        res.check(jax.random.key(1), [clients.client(0)])
+    assert isinstance(res.check(jax.random.key(1), clients, num_draws=100), ImportanceResult)
