@@ -54,7 +54,8 @@ NUM_ROUNDS, TOL, DAMPING, NUM_DRAWS = 30, 1e-8, 1.0, 20000
 
 
 def run_fedppl(entry: Entry, clients_arrays, model_kwargs: dict, schedule: str,
-               num_rounds: int = NUM_ROUNDS, repeats: int = 1, method: str = "pvi") -> dict:
+               num_rounds: int = NUM_ROUNDS, repeats: int = 1, method: str = "pvi",
+               refine: int = 0, refine_draws: int = 2000) -> dict:
     """Federated PVI (or EP, ``method="ep"``: full-rank sites, its default NUTS and decaying
     damping, ``num_rounds`` rounds; ``"ep-stein"``: with Stein's estimator) on the clients:
     global draws, client k's local draws, rounds and seconds. ``repeats`` re-runs the same
@@ -84,11 +85,30 @@ def run_fedppl(entry: Entry, clients_arrays, model_kwargs: dict, schedule: str,
             d = result.sample(jax.random.key(1), NUM_DRAWS, client=k)
             local[k] = {s: np.asarray(v) for s, v in d.items() if s not in entry.global_sites}
     history = result.history
-    return {"draws": draws, "local": local, "rounds": len(history["seconds"]),
-            "seconds_first": runs[0],
-            "seconds": statistics.median(runs[1:] if len(runs) > 1 else runs),
-            "round_seconds": float(np.sum(history["seconds"])),
-            "rejected": len(result.rejected), "unconverged": len(result.unconverged)}
+    out = {"draws": draws, "local": local, "rounds": len(history["seconds"]),
+           "seconds_first": runs[0],
+           "seconds": statistics.median(runs[1:] if len(runs) > 1 else runs),
+           "round_seconds": float(np.sum(history["seconds"])),
+           "rejected": len(result.rejected), "unconverged": len(result.unconverged)}
+    if refine:
+        out.update(_refine(result, clients, model_kwargs, refine, refine_draws))
+    return out
+
+
+def _refine(result, clients, model_kwargs: dict, num_rounds: int, num_draws: int) -> dict:
+    """The check (its k-hat) and the refinement of a result: k-hat, ESS, rounds, seconds and
+    resampled draws; an error is recorded instead."""
+    t0 = time.perf_counter()
+    try:
+        imp = result.refine(jax.random.key(2), clients, num_rounds=num_rounds,
+                            num_draws=num_draws, progress_bar=False, warn=False, **model_kwargs)
+    except Exception as exc:
+        return {"refine_error": f"{type(exc).__name__}: {exc}".strip()[:500]}
+    draws = {s: np.asarray(v) for s, v in imp.sample(jax.random.key(3), NUM_DRAWS).items()}
+    return {"refined_draws": draws, "khat_check": float(imp.history["khat"][0]),
+            "ess_check": float(imp.history["ess"][0]), "khat_refined": imp.khat,
+            "ess_refined": imp.ess, "refine_rounds": imp.num_rounds, "refine_draws": num_draws,
+            "refine_seconds": time.perf_counter() - t0}
 
 
 def _client_slice(values: np.ndarray, k: int, group_shape: tuple[int, ...]) -> np.ndarray:
@@ -142,7 +162,7 @@ def evaluate(entry: Entry, args) -> dict:
     t0 = time.perf_counter()
     try:
         fed = run_fedppl(entry, clients_arrays, model_kwargs, args.schedule, args.rounds,
-                         args.repeats, args.method)
+                         args.repeats, args.method, args.refine, args.refine_draws)
     except Exception as exc:  # the fedppl API is still growing: record and go on
         row["error"] = f"{type(exc).__name__}: {exc}".strip()[:500]
         row["seconds_to_error"] = time.perf_counter() - t0
@@ -153,6 +173,12 @@ def evaluate(entry: Entry, args) -> dict:
     svi_g = {s: svi[s] for s in globals_}
     row["vs_nuts"] = refs.compare(fed["draws"], nuts_g)
     row["vs_svi"] = refs.compare(fed["draws"], svi_g)
+    for key in ("khat_check", "ess_check", "khat_refined", "ess_refined", "refine_rounds",
+                "refine_draws", "refine_seconds", "refine_error"):
+        if key in fed:
+            row[key] = fed[key]
+    if "refined_draws" in fed:
+        row["refined_vs_nuts"] = refs.compare(fed["refined_draws"], nuts_g)
     if fed["local"]:
         row["local_vs_nuts"] = _local_comparison(entry, fed["local"], nuts)
         row["local_vs_svi"] = _local_comparison(entry, fed["local"], svi)
@@ -176,6 +202,21 @@ def print_table(rows: list[dict]) -> None:
               f"| {_fmt(r.get('vs_nuts'))} | {_fmt(r.get('vs_svi'))} "
               f"| {_fmt(r.get('local_vs_nuts'))} | {_fmt(r.get('local_vs_svi'))} "
               f"| {_fmt(r['svi_vs_nuts'])} | {err} |")
+    refined = [r for r in rows if "khat_check" in r or "refine_error" in r]
+    if refined:
+        print("\ncheck and refine (global sites vs NUTS: mean error / sd ratio)\n")
+        print("| model | PVI vs NUTS | check k-hat | refined vs NUTS | refined k-hat | ESS | "
+              "rounds | s |")
+        print("|---|---|---|---|---|---|---|---|")
+        for r in refined:
+            if "refine_error" in r:
+                print(f"| {r['model']} | {_fmt(r.get('vs_nuts'))} | error: "
+                      f"{r['refine_error'][:60]} | | | | | |")
+                continue
+            print(f"| {r['model']} | {_fmt(r.get('vs_nuts'))} | {r['khat_check']:.2f} "
+                  f"| {_fmt(r['refined_vs_nuts'])} | {r['khat_refined']:.2f} "
+                  f"| {r['ess_refined']:.0f} | {r['refine_rounds']} "
+                  f"| {r['refine_seconds']:.1f} |")
 
 
 def machine() -> dict:
@@ -209,6 +250,10 @@ def main(argv=None) -> None:
     p.add_argument("--method", choices=("pvi", "ep", "ep-stein"), default="pvi",
                    help="fedppl.PVI (default) or fedppl.EP (with estimator='stein')")
     p.add_argument("--data-seed", type=int, default=0)
+    p.add_argument("--refine", type=int, default=0, metavar="R",
+                   help="also check each answer and refine it for up to R rounds "
+                        "(result.refine: k-hat, ESS, refined errors against NUTS)")
+    p.add_argument("--refine-draws", type=int, default=2000, help="S per refine round")
     p.add_argument("--out", type=Path, default=None,
                    help=f"JSON path (default {OUT.name}, or {QUICK_OUT.name} with --quick)")
     args = p.parse_args(argv)
@@ -229,6 +274,7 @@ def main(argv=None) -> None:
                 "tol": TOL if args.method == "pvi" else None,
                 "damping": DAMPING, "num_draws": NUM_DRAWS, "repeats": args.repeats,
                 "quick": args.quick, "data_seed": args.data_seed, "num_clients": 10,
+                "refine_rounds": args.refine, "refine_draws": args.refine_draws,
                 "nuts": refs.NUTS_QUICK if args.quick else refs.NUTS_SETTINGS,
                 "svi": refs.SVI_QUICK if args.quick else refs.SVI_SETTINGS,
                 "timing": "seconds: median wall time of PVI.run over the repeats after the first "

@@ -32,6 +32,8 @@ from fedppl.infer import (
     FSGPConfig,
     FSGPResult,
     GlobalVI,
+    Importance,
+    ImportanceResult,
     PFedMul,
     PFedMulResult,
     PVIResult,
@@ -44,7 +46,7 @@ from fedppl.infer.one_shot import OneShot, OneShotResult
 __version__ = "0.1.0"
 
 __all__ = ["PVI", "GlobalVI", "PVIResult", "EP", "EPResult", "OneShot", "OneShotResult",
-           "PVIGuide", "FederatedSGP",
+           "Importance", "ImportanceResult", "PVIGuide", "FederatedSGP",
            "SGPConfig", "SGPResult", "FSGP", "FSGPConfig", "FSGPResult", "FedBNR", "FedBNRResult",
            "PFedMul", "PFedMulResult", "CoTraining", "CoTrainingResult", "DPOptimisation",
            "DPLocalAveraging", "DPVirtualParties", "PrivateStatistics", "Clients", "partition",

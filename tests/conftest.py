@@ -32,6 +32,18 @@ def logistic_model(X, y=None):
         numpyro.sample("y", dist.Bernoulli(logits=X @ w + b), obs=y)
 
 
+def random_intercepts(gid, y=None, *, n_groups):
+    """``y_ij ~ N(mu + tau z_j, 1)``, ``z_j ~ N(0, 1)`` (non-centred random intercepts, a
+    LogNormal group scale): the marginal over ``z`` is Gaussian, ``N(mu 1, I + tau^2 11')`` per
+    group."""
+    mu = numpyro.sample("mu", dist.Normal(0.0, 1.0))
+    tau = numpyro.sample("tau", dist.LogNormal(0.0, 1.0))
+    with numpyro.plate("groups", n_groups):
+        z = numpyro.sample("z", dist.Normal(0.0, 1.0))
+    with numpyro.plate("data", gid.shape[0]):
+        numpyro.sample("y", dist.Normal(mu + tau * z[gid], 1.0), obs=y)
+
+
 def exact_linear_posterior(X, y, noise=0.5):
     prec = np.eye(X.shape[1]) + X.T @ X / noise**2
     cov = np.linalg.inv(prec)

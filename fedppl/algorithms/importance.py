@@ -232,12 +232,18 @@ def weighted_moments(draws: np.ndarray, log_weights: np.ndarray) -> tuple[np.nda
 
 
 def tempered_fit(draws: np.ndarray, log_ratios: np.ndarray, previous: Proposal,
-                 min_ess: float, df: float | None = None) -> Proposal:
+                 min_ess: float, df: float | None = None,
+                 anchor: Proposal | None = None) -> Proposal:
     """The next proposal: moment-matched to the draws weighted by ``w^beta``, ``beta`` the
     largest in (0, 1] whose smoothed weights keep ``min_ess`` effective draws (found by
-    bisection), a t with ``df`` degrees of freedom (default: the previous proposal's). The
-    covariance is shrunk towards its diagonal by ``D / (ESS + D)`` (a covariance from few
-    effective draws is noisy off the diagonal)."""
+    bisection), a t with ``df`` degrees of freedom (default: the previous proposal's).
+
+    A covariance from a few hundred effective draws in tens of dimensions is noisy, and a noisy
+    scale matrix costs a t proposal most of its efficiency. So the weighted covariance is shrunk
+    towards the weighted variances joined by the correlations of ``anchor`` (the first proposal,
+    the answer being refined; default ``previous``), by ``min(1, 3 D / (ESS + D))``: the
+    marginal widths move at once, the correlations as the effective draws allow. (Shrinking
+    towards the previous fit instead lets each round's noise in the correlations carry over.)"""
     lr = np.asarray(log_ratios, np.float64)
 
     def smoothed(beta):
@@ -254,8 +260,12 @@ def tempered_fit(draws: np.ndarray, log_ratios: np.ndarray, previous: Proposal,
         lw = smoothed(max(lo, 1e-6))
     mean, cov = weighted_moments(draws, lw)
     D, n_eff = draws.shape[1], ess(lw)
-    shrink = D / (n_eff + D)
-    cov = (1 - shrink) * cov + shrink * np.diag(np.diag(cov))
+    shrink = min(1.0, 3.0 * D / (n_eff + D))
+    old = np.asarray((previous if anchor is None else anchor).scale_tril, np.float64)
+    old = old @ old.T
+    corr = old / np.sqrt(np.outer(np.diag(old), np.diag(old)))
+    sd = np.sqrt(np.diag(cov))
+    cov = (1 - shrink) * cov + shrink * corr * np.outer(sd, sd)
     cov = cov + 1e-10 * np.trace(cov) / D * np.eye(D)
     dtype = previous.mean.dtype
     return Proposal(jnp.asarray(mean, dtype), jnp.asarray(np.linalg.cholesky(cov), dtype),

@@ -298,7 +298,8 @@ class Importance:
         n_eff = imp.ess(lw)
         D = all_draws.shape[1]
         min_ess = min(max(5.0 * D, self.num_draws / 10), self.num_draws / 2)
-        nxt = imp.tempered_fit(all_draws, ratios, state.next, min_ess, self.df)
+        nxt = imp.tempered_fit(all_draws, ratios, state.next, min_ess, self.df,
+                               anchor=proposals[0])
         new = ImportanceState(proposals, counts, all_draws, log_prior, log_lik, nxt,
                               state.clients, state.data, state.masks, state.names, rng_key,
                               state.round + 1)

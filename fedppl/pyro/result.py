@@ -39,6 +39,14 @@ class PVIResult(Result):
         """Per-site marginal distributions of the global sites (constrained space)."""
         return self.guide.posterior(self.q)
 
+    def check(self, *args: Any, **kwargs: Any):
+        """Not yet for Pyro models (the clients' log-likelihoods at the draws are evaluated
+        through NumPyro's tracing); write the model in NumPyro to check it."""
+        raise NotImplementedError("check and refine are not available for Pyro results yet: the "
+                                  "clients' log-likelihoods at the server's draws are evaluated "
+                                  "with NumPyro's handlers. Fit the NumPyro version of the model "
+                                  "with fedppl.PVI to check it against the pooled posterior")
+
     def sample(self, rng_key: torch.Generator, num_samples: int,
                client: int | str | None = None) -> dict[str, Tensor]:
         """Joint posterior draws keyed by site name, constrained: ``{name: (num_samples, ...)}``;

@@ -15,16 +15,7 @@ from scipy import stats
 
 import fedppl
 from fedppl.algorithms import importance as imp
-
-
-def random_intercepts(gid, y=None, *, n_groups):
-    """``y_ij ~ N(mu + tau z_j, 1)``, ``z_j ~ N(0, 1)``: the marginal over ``z`` is Gaussian."""
-    mu = numpyro.sample("mu", dist.Normal(0.0, 1.0))
-    tau = numpyro.sample("tau", dist.LogNormal(0.0, 1.0))
-    with numpyro.plate("groups", n_groups):
-        z = numpyro.sample("z", dist.Normal(0.0, 1.0))
-    with numpyro.plate("data", gid.shape[0]):
-        numpyro.sample("y", dist.Normal(mu + tau * z[gid], 1.0), obs=y)
+from tests.conftest import random_intercepts
 
 
 def random_intercepts_logit(gid, y=None, *, n_groups):

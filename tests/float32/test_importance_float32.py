@@ -15,9 +15,9 @@ import pytest
 
 import fedppl
 from fedppl.families import gaussian as g
-from tests.conftest import linear_model
+from tests.conftest import linear_model, random_intercepts
 from tests.float32.conftest import assert_dtype
-from tests.infer.test_importance import grid_posterior, random_intercepts
+from tests.infer.test_importance import grid_posterior
 
 pytestmark = pytest.mark.usefixtures("no_x64")
 

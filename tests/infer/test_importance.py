@@ -11,8 +11,6 @@ import warnings
 import arviz as az
 import jax
 import numpy as np
-import numpyro
-import numpyro.distributions as dist
 import pytest
 from scipy import stats
 
@@ -20,7 +18,7 @@ import fedppl
 from fedppl.families import gaussian as g
 from fedppl.infer.base import Result
 from fedppl.infer.importance import ImportanceResult, _check_messages
-from tests.conftest import exact_linear_posterior, linear_model
+from tests.conftest import exact_linear_posterior, linear_model, random_intercepts
 
 D, K = 10, 5
 
@@ -79,15 +77,6 @@ def test_a_too_narrow_answer_is_flagged_and_refined(conjugate):
     assert mean_err < 0.05 and sd_err < 0.05, (mean_err, sd_err)
     draws = refined.sample(jax.random.key(3), 500)
     assert draws["w"].shape == (500, D)
-
-
-def random_intercepts(gid, y=None, *, n_groups):
-    mu = numpyro.sample("mu", dist.Normal(0.0, 1.0))
-    tau = numpyro.sample("tau", dist.LogNormal(0.0, 1.0))
-    with numpyro.plate("groups", n_groups):
-        z = numpyro.sample("z", dist.Normal(0.0, 1.0))
-    with numpyro.plate("data", gid.shape[0]):
-        numpyro.sample("y", dist.Normal(mu + tau * z[gid], 1.0), obs=y)
 
 
 def grid_posterior(groups):
