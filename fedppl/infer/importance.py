@@ -264,6 +264,7 @@ class Importance:
                                  f"was fitted on {want}: these are not the run's clients")
         guide.setup(*clients.client(0), **model_kwargs)
         check_clients(guide, clients, model_kwargs)
+        _refuse_subsampling(self.model, clients.client(0), model_kwargs)
         layout = guide._require_setup()
         if layout.dim != self.start.nat1.shape[-1]:
             raise ValueError(f"with these clients the model has {layout.dim} global "
@@ -350,6 +351,21 @@ def _log_ratios(proposals, counts, draws, log_prior, log_lik) -> np.ndarray:
     log_g = np.asarray(imp.mixture_log_prob(list(proposals), list(counts), jnp.asarray(draws)),
                        np.float64)
     return log_prior + log_lik.sum(0) - log_g
+
+
+def _refuse_subsampling(model: Callable, data: tuple, model_kwargs: dict) -> None:
+    """A data plate that subsamples gives each client's log-likelihood at a draw only as a
+    minibatch estimate: the weights would target another posterior, so the check refuses."""
+    from numpyro import handlers
+
+    tr = handlers.trace(handlers.seed(model, 0)).get_trace(*data, **model_kwargs)
+    for name, site in tr.items():
+        if site["type"] == "plate" and site["args"][1] is not None \
+                and site["args"][1] < site["args"][0]:
+            raise ValueError(f"the model subsamples plate '{name}' ({site['args'][1]} of "
+                             f"{site['args'][0]} rows): the check needs each client's exact "
+                             "log-likelihood at every draw. Run the check with the same model "
+                             "without subsample_size")
 
 
 def _check_messages(msgs: np.ndarray, names: tuple[str, ...]) -> None:

@@ -11,6 +11,8 @@ import warnings
 import arviz as az
 import jax
 import numpy as np
+import numpyro
+import numpyro.distributions as dist
 import pytest
 from scipy import stats
 
@@ -193,6 +195,12 @@ def test_check_of_global_vi_and_one_shot(conjugate):
     assert shot.check(jax.random.key(1), clients, num_draws=500).khat < 0.5
 
 
+def subsampled(X, y=None):
+    w = numpyro.sample("w", dist.Normal(0.0, 1.0).expand([X.shape[1]]).to_event(1))
+    with numpyro.plate("data", X.shape[0], subsample_size=10) as idx:
+        numpyro.sample("y", dist.Normal(X[idx] @ w, 0.5), obs=y[idx])
+
+
 def test_bad_input(conjugate):
     res, clients, _, _ = conjugate
     with pytest.raises(ValueError, match="at least 100"):
@@ -211,6 +219,8 @@ def test_bad_input(conjugate):
         _check_messages(np.array([[0.0, -1.0], [np.nan, 0.0]]), ("fine", "odd"))
     with pytest.raises(ValueError, match="zero likelihood at every draw"):
         _check_messages(np.array([[-np.inf, -np.inf]]), ("odd",))
+    with pytest.raises(ValueError, match="subsamples plate 'data'"):
+        fedppl.Importance(subsampled, res.guide, res.q).init(jax.random.key(0), clients)
     with pytest.raises(TypeError, match=r"fedppl\.Clients"):
         res.check(jax.random.key(1), [clients.client(0)])
     assert isinstance(res.check(jax.random.key(1), clients, num_draws=100), ImportanceResult)
