@@ -81,6 +81,7 @@ SLOW_FILES = (
     "tests/algorithms/test_natural_gradient.py",
     "tests/algorithms/test_dp_pvi.py",
     "tests/test_local_sites.py",
+    "tests/infer/test_importance.py",
     "tests/infer/test_sgp_edge_cases.py",
     "tests/pyro/test_parity.py",
     "tests/infer/test_sparse_gps.py",

@@ -117,6 +117,15 @@ class ImportanceResult(Result):
         """Importance-corrected mean and covariance over the flat unconstrained vector."""
         return imp.weighted_moments(self.draws, self.log_weights)
 
+    def mcse(self) -> np.ndarray:
+        """Monte Carlo standard error of each coordinate of the corrected mean:
+        ``sqrt(sum_i w_i^2 (x_i - mean)^2)`` for the normalised weights (the delta method for a
+        self-normalised importance estimate; meaningful while k-hat is below the threshold)."""
+        w = np.exp(self.log_weights)
+        w = w / w.sum()
+        mean = w @ self.draws
+        return np.sqrt((w**2) @ (self.draws - mean) ** 2)
+
     def sample(self, rng_key: Array, num_samples: int) -> dict[str, Array]:
         """Draws resampled by their weights, constrained, keyed by site name (repeats where few
         draws carry the weight: read ``ess`` beside them)."""

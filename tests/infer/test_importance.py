@@ -77,6 +77,10 @@ def test_a_too_narrow_answer_is_flagged_and_refined(conjugate):
     assert refined.history["khat"][0] == check.khat  # the same key: round 1 is the check
     mean_err, sd_err = errors(refined, mean, cov)
     assert mean_err < 0.05 and sd_err < 0.05, (mean_err, sd_err)
+    # the stated Monte Carlo error covers the actual one (4 se over 10 coordinates)
+    se = refined.mcse()
+    assert np.all(se < 0.03 * np.sqrt(np.diag(cov)))
+    assert np.all(np.abs(refined.mean_and_cov()[0] - mean) < 4 * se)
     draws = refined.sample(jax.random.key(3), 500)
     assert draws["w"].shape == (500, D)
 
