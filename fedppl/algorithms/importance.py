@@ -53,8 +53,8 @@ from fedppl.algorithms.trio import Trio
 from fedppl.families import gaussian as g
 from fedppl.guides.pvi_guide import PVIGuide
 
-__all__ = ["Proposal", "Broadcast", "log_prob", "sample", "mixture_log_prob", "from_gaussian",
-           "laplace_log_marginal", "client_log_lik", "make_trio", "psis", "ess",
+__all__ = ["Proposal", "Broadcast", "Estimates", "log_prob", "sample", "mixture_log_prob",
+           "from_gaussian", "laplace_log_marginal", "client_log_lik", "make_trio", "psis", "ess",
            "weighted_moments", "tempered_fit", "leave_one_out", "resample"]
 
 MIN_DRAWS = 100  # fewer draws leave too few in the tail for the Pareto fit (k-hat)
@@ -117,16 +117,21 @@ def mixture_log_prob(proposals: list[Proposal], counts: list[int], x: Array) -> 
 # -- the client's side ---------------------------------------------------------------------------
 
 def laplace_log_marginal(f: Callable[[Array], Array], z0: Array, key: Array, num_draws: int,
-                         newton_steps: int) -> Array:
+                         newton_steps: int) -> tuple[Array, Array]:
     """``log int exp(f(z)) dz`` by importance sampling from a Laplace approximation of ``f``.
 
     ``newton_steps`` Newton steps from ``z0`` (each the largest of ``1, 1/2, ..., 2^-10`` that
     raises ``f``; the Hessian's eigenvalues floored so the step ascends), then ``num_draws``
     draws from ``N(z_hat, (-H)^-1)`` in antithetic pairs. Exact (up to rounding) when ``f`` is
     quadratic. Otherwise the estimate of the integral is unbiased and its log is biased down by
-    about ``var(w) / (2 num_draws)`` for the normalised weights ``w`` (Jensen), small wherever
-    the Laplace approximation is good (a random effect given its group's data and the global
-    parameters is close to Gaussian).
+    about half its variance (Jensen), small wherever the Laplace approximation is good (a random
+    effect given its group's data and the global parameters is close to Gaussian), large where
+    the local posterior is far from Gaussian in many dimensions (tens of coefficients per client
+    at a large group scale: the weights are heavy-tailed, and the variance estimate itself then
+    understates the error).
+
+    Returns the estimate and the estimated variance of it, ``sum_i w_i^2 - 1 / num_draws`` for
+    the normalised weights (the delta method's ``var(w) / (M mean(w)^2)``).
     """
     d = z0.shape[-1]
 
@@ -152,20 +157,32 @@ def laplace_log_marginal(f: Callable[[Array], Array], z0: Array, key: Array, num
     log_q = (-0.5 * jnp.sum(eps**2, -1) - 0.5 * d * jnp.log(2 * jnp.pi)
              + jnp.sum(jnp.log(jnp.diagonal(chol))))
     lw = jax.vmap(f)(zs) - log_q
-    return logsumexp(jnp.where(jnp.isnan(lw), -jnp.inf, lw)) - jnp.log(num_draws)
+    lw = jnp.where(jnp.isnan(lw), -jnp.inf, lw)
+    total = logsumexp(lw)
+    variance = jnp.sum(jnp.exp(2 * (lw - total))) - 1.0 / num_draws
+    return total - jnp.log(num_draws), jnp.maximum(variance, 0.0)
+
+
+class Estimates(NamedTuple):
+    """A client's message: its log-likelihood at each draw ``(S,)`` and, with local sites, the
+    estimated variance of each of those estimates ``(S,)`` (None without local sites: exact)."""
+
+    log_lik: Array
+    variance: Array | None = None
 
 
 def client_log_lik(model: Callable, guide: PVIGuide, local_draws: int, newton_steps: int,
                    batch_size: int) -> Callable:
-    """``(draws, local, data, mask, key) -> (S,)``: a client's log-likelihood at each draw of
-    ``theta`` (with local sites, its log marginal likelihood by :func:`laplace_log_marginal`,
-    started from its private guide's conditional mean ``local`` when it has one)."""
+    """``(draws, local, data, mask, key) -> Estimates``: a client's log-likelihood at each draw
+    of ``theta`` (with local sites, its log marginal likelihood by
+    :func:`laplace_log_marginal`, started from its private guide's conditional mean ``local``
+    when it has one, and the variance of that estimate)."""
 
     def fn(draws, local, data, mask, key):
         log_lik = natural_gradient.log_lik_fn(model, guide, data, mask)
         if guide.local_layout is None:
-            return jax.lax.map(lambda th: log_lik(th, jnp.zeros((), int)), draws,
-                               batch_size=batch_size)
+            return Estimates(jax.lax.map(lambda th: log_lik(th, jnp.zeros((), int)), draws,
+                                         batch_size=batch_size))
         d = guide.local_layout.dim
 
         def one(inputs):
@@ -177,14 +194,14 @@ def client_log_lik(model: Callable, guide: PVIGuide, local_draws: int, newton_st
                                         z0, k, local_draws, newton_steps)
 
         keys = jax.random.split(key, draws.shape[0])
-        return jax.lax.map(one, (draws, keys), batch_size=batch_size)
+        return Estimates(*jax.lax.map(one, (draws, keys), batch_size=batch_size))
 
     return fn
 
 
 def make_trio(log_lik: Callable) -> Trio:
-    """The exchange as a trio: a client's message is its log-likelihood at the broadcast draws;
-    the server keeps its state (the weights are formed on the host, :func:`psis`)."""
+    """The exchange as a trio: a client's message is its :class:`Estimates` at the broadcast
+    draws; the server keeps its state (the weights are formed on the host, :func:`psis`)."""
 
     def client_update(server: Broadcast, local: Any, data, mask, key, index):
         return log_lik(server.draws, local, data, mask, key), local

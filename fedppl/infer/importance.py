@@ -66,13 +66,15 @@ class ImportanceState(NamedTuple):
     many draws each gave, all draws ``(N, D)``, their log prior and the clients'
     log-likelihoods ``(K, N)``, the next proposal, the clients' states (their private guides as
     Laplace starting points, or None), their padded data, masks and names, the key and the
-    round."""
+    round. ``variance`` ``(N,)``: the summed variance of the clients' estimates at each draw
+    (zero without local sites)."""
 
     proposals: tuple[imp.Proposal, ...]
     counts: tuple[int, ...]
     draws: np.ndarray
     log_prior: np.ndarray
     log_lik: np.ndarray
+    variance: np.ndarray
     next: imp.Proposal
     clients: Any
     data: tuple
@@ -87,11 +89,12 @@ class ImportanceResult(Result):
     """Weighted draws of the pooled posterior over the global sites, and how far to trust them.
 
     ``khat`` (Pareto k-hat of the importance weights) and ``ess`` (their effective sample size)
-    say how reliable the weights are; ``mean_and_cov()`` are the corrected moments over the flat
-    unconstrained vector (compare ``start_moments``, the answer that was checked);
+    say how reliable the weights are, and ``local_sd`` (nats; 0 without local sites) how noisy
+    the clients' estimates behind them were; ``mean_and_cov()`` are the corrected moments over
+    the flat unconstrained vector (compare ``start_moments``, the answer that was checked);
     ``sample`` resamples draws by their weights; ``loo()`` gives each client's
-    leave-one-client-out predictive density; ``history`` has one row per round with ``khat``
-    and ``ess`` besides the common columns.
+    leave-one-client-out predictive density; ``history`` has one row per round with ``khat``,
+    ``ess`` and ``local_sd`` besides the common columns.
     """
 
     guide: PVIGuide
@@ -101,6 +104,7 @@ class ImportanceResult(Result):
     log_lik: np.ndarray
     khat: float
     ess: float
+    local_sd: float
     start_moments: tuple[np.ndarray, np.ndarray]
     proposals: tuple[imp.Proposal, ...] = field(default=())
 
@@ -163,7 +167,7 @@ class ImportanceResult(Result):
 
     def summary(self) -> dict[str, Any]:
         out = super().summary()
-        out.update(khat=self.khat, ess=self.ess, draws=len(self.draws))
+        out.update(khat=self.khat, ess=self.ess, draws=len(self.draws), local_sd=self.local_sd)
         return out
 
     def to_arviz(self, rng_key: Array | None = None, num_samples: int = 1000):
@@ -207,7 +211,9 @@ class Importance:
         and keeps the weights bounded in the tails, where a Gaussian fit to a skewed or wider
         posterior is too light.
     :param local_draws: with local sites, each client's importance draws per global draw for its
-        log marginal likelihood (Laplace proposal, antithetic pairs; even).
+        log marginal likelihood (Laplace proposal, antithetic pairs; even; default 64). Each
+        client also sends the estimated variance of each estimate; ``local_sd`` (history and
+        result) is the sd of their sum where the weight is, and above 0.5 nats the run warns.
     :param newton_steps: Newton steps to each local Laplace mode.
     :param khat_target, ess_target: :meth:`run` stops after a round whose weights have k-hat
         below ``khat_target`` and ESS above ``ess_target``.
@@ -219,7 +225,7 @@ class Importance:
 
     def __init__(self, model: Callable, guide: PVIGuide, start: g.Gaussian, *,
                  num_draws: int = 1000, first_df: float = np.inf, df: float = 7.0,
-                 local_draws: int = 32,
+                 local_draws: int = 64,
                  newton_steps: int = 10, khat_target: float = 0.5, ess_target: float = 400.0,
                  batch_size: int = 256):
         num_draws = validation.positive_int(num_draws, "num_draws")
@@ -255,7 +261,7 @@ class Importance:
         D = layout.dim
         dtype = first.mean.dtype
         return ImportanceState((), (), np.zeros((0, D), dtype), np.zeros(0),
-                               np.zeros((clients.num_clients, 0)), first, local,
+                               np.zeros((clients.num_clients, 0)), np.zeros(0), first, local,
                                clients.stacked, clients.mask, clients.names, rng_key, 0)
 
     def _check(self, clients: Clients, model_kwargs: dict):
@@ -294,15 +300,19 @@ class Importance:
         t0 = time.perf_counter()
         _, _, msgs, _ = round_fn(imp.Broadcast(draws), state.clients, state.data, state.masks,
                                  jax.random.split(k_clients, K), jnp.ones(K, bool), k_draw)
-        msgs = np.asarray(jax.block_until_ready(msgs), np.float64)
+        msgs = jax.block_until_ready(msgs)
         seconds = time.perf_counter() - t0
-        _check_messages(msgs, state.names)  # before anything is kept
+        values = np.asarray(msgs.log_lik, np.float64)
+        _check_messages(values, state.names)  # before anything is kept
+        var = (np.zeros(values.shape[1]) if msgs.variance is None
+               else np.asarray(msgs.variance, np.float64).sum(0))
         proposals = (*state.proposals, state.next)
         counts = (*state.counts, self.num_draws)
         all_draws = np.concatenate([state.draws, np.asarray(draws)])
         log_prior = np.concatenate([state.log_prior, np.asarray(log_prior_fn(draws),
                                                                 np.float64)])
-        log_lik = np.concatenate([state.log_lik, msgs], axis=1)
+        log_lik = np.concatenate([state.log_lik, values], axis=1)
+        variance = np.concatenate([state.variance, var])
         ratios = _log_ratios(proposals, counts, all_draws, log_prior, log_lik)
         lw, khat = imp.psis(ratios)
         n_eff = imp.ess(lw)
@@ -310,14 +320,15 @@ class Importance:
         min_ess = min(max(5.0 * D, self.num_draws / 10), self.num_draws / 2)
         nxt = imp.tempered_fit(all_draws, ratios, state.next, min_ess, self.df,
                                anchor=proposals[0])
-        new = ImportanceState(proposals, counts, all_draws, log_prior, log_lik, nxt,
+        new = ImportanceState(proposals, counts, all_draws, log_prior, log_lik, variance, nxt,
                               state.clients, state.data, state.masks, state.names, rng_key,
                               state.round + 1)
         item = np.dtype(draws.dtype).itemsize
+        per_client = len(jax.tree_util.tree_leaves(msgs))  # log-likelihoods (and variances)
         info = {"round": new.round, "seconds": seconds, "messages_up": K, "messages_down": K,
-                "bytes_up": K * self.num_draws * item,
+                "bytes_up": K * per_client * self.num_draws * item,
                 "bytes_down": K * self.num_draws * D * item, "rejected": 0,
-                "khat": khat, "ess": n_eff}
+                "khat": khat, "ess": n_eff, "local_sd": _local_sd(lw, variance)}
         return new, info
 
     def run(self, rng_key: Array, clients: Clients, num_rounds: int = 1, *,
@@ -340,6 +351,14 @@ class Importance:
         result = self.result(state, {k: np.asarray([r[k] for r in rows]) for k in rows[0]})
         if warn and not result.reliable:
             warnings.warn(_advice(result, num_rounds), UserWarning, stacklevel=2)
+        if warn and result.local_sd > LOCAL_SD:
+            warnings.warn(
+                f"the clients' estimates of their log marginal likelihoods over their local "
+                f"sites are noisy: sd {result.local_sd:.2f} nats per draw where the weight is "
+                f"(above {LOCAL_SD}). The noise distorts the weights and k-hat, and the "
+                "estimates' downward bias changes with the global parameters, so the corrected "
+                "moments can be off by more than k-hat and the ESS say. Raise local_draws",
+                UserWarning, stacklevel=2)
         return result
 
     def result(self, state: ImportanceState, history: dict[str, np.ndarray]
@@ -350,10 +369,16 @@ class Importance:
         lw, khat = imp.psis(ratios)
         return ImportanceResult(guide=self.guide, draws=state.draws, log_ratios=ratios,
                                 log_weights=lw, log_lik=state.log_lik, khat=khat,
-                                ess=imp.ess(lw), history=history, client_names=state.names,
+                                ess=imp.ess(lw), local_sd=_local_sd(lw, state.variance),
+                                history=history, client_names=state.names,
                                 start_moments=tuple(np.asarray(m) for m in
                                                     g.to_moments(g.to_full(self.start))),
                                 proposals=state.proposals)
+
+
+def _local_sd(log_weights: np.ndarray, variance: np.ndarray) -> float:
+    """The sd of the summed local estimates, averaged (as a variance) under the weights."""
+    return float(np.sqrt(np.exp(log_weights) @ variance))
 
 
 def _log_ratios(proposals, counts, draws, log_prior, log_lik) -> np.ndarray:
@@ -397,6 +422,9 @@ def _advice(result: ImportanceResult, rounds: int) -> str:
             "it are unreliable. Run result.refine(...) with more rounds or num_draws, or a "
             "richer guide (family='fullrank', more PVI rounds), and check again")
 
+
+# nats: above this sd of the summed local estimates at the weighted draws, the check warns
+LOCAL_SD = 0.5
 
 _CACHE: dict = {}
 

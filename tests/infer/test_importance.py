@@ -133,6 +133,37 @@ def test_refine_reaches_the_pooled_posterior_with_local_sites():
     assert refined.khat < 0.5
     # where the answer being corrected is off by more than 0.2 sd, the check says so
     assert q_err <= 0.2 or check.khat > 0.7, (q_err, check.khat)
+    # Gaussian random effects: each client's local estimate is exact, and says so
+    assert refined.local_sd < 1e-5 and np.all(refined.history["local_sd"] < 1e-5)
+    assert refined.history["bytes_up"][0] == 10 * 2 * 1000 * 8  # estimates and variances
+
+
+def random_intercepts_logit(gid, y=None, *, n_groups):
+    mu = numpyro.sample("mu", dist.Normal(0.0, 1.0))
+    tau = numpyro.sample("tau", dist.LogNormal(0.0, 1.0))
+    with numpyro.plate("groups", n_groups):
+        z = numpyro.sample("z", dist.Normal(0.0, 1.0))
+    with numpyro.plate("data", gid.shape[0]):
+        numpyro.sample("y", dist.Bernoulli(logits=mu + tau * z[gid]), obs=y)
+
+
+def test_noisy_local_estimates_are_reported(monkeypatch):
+    """Logistic random effects: the local estimates are not exact; their sd is reported and,
+    above the threshold, warned about (the threshold lowered here to make it fire)."""
+    import fedppl.infer.importance as front
+
+    rng = np.random.default_rng(5)
+    parts = [(np.repeat([0, 1], 6), (rng.uniform(size=12) < 0.6).astype(float))
+             for _ in range(4)]
+    clients = fedppl.Clients.from_list(parts)
+    guide = fedppl.PVIGuide(random_intercepts_logit, ("mu", "tau"), family="fullrank")
+    res = fedppl.PVI(random_intercepts_logit, guide).run(jax.random.key(0), clients, 3,
+                                                         progress_bar=False, n_groups=2)
+    check = res.check(jax.random.key(1), clients, num_draws=200, local_draws=8, warn=False)
+    assert 0 < check.local_sd < 1.0 and check.summary()["local_sd"] == check.local_sd
+    monkeypatch.setattr(front, "LOCAL_SD", 0.5 * check.local_sd)
+    with pytest.warns(UserWarning, match="Raise local_draws"):
+        res.check(jax.random.key(1), clients, num_draws=200, local_draws=8)
 
 
 def test_leave_one_client_out_against_the_closed_form():
