@@ -140,7 +140,7 @@ class PVIResult(Result):
                num_draws: int = 1000, *, progress_bar: bool = True, **kwargs: Any):
         """The check's exchange repeated (round 1 is the check), each round proposing from a t
         fitted to the weighted draws so far, until k-hat is below ``khat_target`` (0.5) and the
-        ESS above ``ess_target`` (400), or ``num_rounds``: an
+        ESS above ``ess_target`` (2000), or ``num_rounds``: an
         :class:`~fedppl.infer.importance.ImportanceResult` whose moments and draws converge to
         the pooled posterior's as the draws grow."""
         return self._importance(rng_key, clients, num_rounds, num_draws, progress_bar, kwargs)
