@@ -44,6 +44,16 @@ def random_intercepts(gid, y=None, *, n_groups):
         numpyro.sample("y", dist.Normal(mu + tau * z[gid], 1.0), obs=y)
 
 
+def random_intercepts_logit(gid, y=None, *, n_groups):
+    """The same random intercepts with a Bernoulli-logit likelihood (no closed form)."""
+    mu = numpyro.sample("mu", dist.Normal(0.0, 1.0))
+    tau = numpyro.sample("tau", dist.LogNormal(0.0, 1.0))
+    with numpyro.plate("groups", n_groups):
+        z = numpyro.sample("z", dist.Normal(0.0, 1.0))
+    with numpyro.plate("data", gid.shape[0]):
+        numpyro.sample("y", dist.Bernoulli(logits=mu + tau * z[gid]), obs=y)
+
+
 def exact_linear_posterior(X, y, noise=0.5):
     prec = np.eye(X.shape[1]) + X.T @ X / noise**2
     cov = np.linalg.inv(prec)

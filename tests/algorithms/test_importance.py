@@ -8,23 +8,12 @@ from functools import partial
 import jax
 import jax.numpy as jnp
 import numpy as np
-import numpyro
-import numpyro.distributions as dist
 import pytest
 from scipy import stats
 
 import fedppl
 from fedppl.algorithms import importance as imp
-from tests.conftest import random_intercepts
-
-
-def random_intercepts_logit(gid, y=None, *, n_groups):
-    mu = numpyro.sample("mu", dist.Normal(0.0, 1.0))
-    tau = numpyro.sample("tau", dist.LogNormal(0.0, 1.0))
-    with numpyro.plate("groups", n_groups):
-        z = numpyro.sample("z", dist.Normal(0.0, 1.0))
-    with numpyro.plate("data", gid.shape[0]):
-        numpyro.sample("y", dist.Bernoulli(logits=mu + tau * z[gid]), obs=y)
+from tests.conftest import random_intercepts, random_intercepts_logit
 
 
 def exact_marginal(gid, y, mu, tau, n_groups):

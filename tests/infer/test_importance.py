@@ -20,7 +20,12 @@ import fedppl
 from fedppl.families import gaussian as g
 from fedppl.infer.base import Result
 from fedppl.infer.importance import ImportanceResult, _check_messages
-from tests.conftest import exact_linear_posterior, linear_model, random_intercepts
+from tests.conftest import (
+    exact_linear_posterior,
+    linear_model,
+    random_intercepts,
+    random_intercepts_logit,
+)
 
 D, K = 10, 5
 
@@ -136,15 +141,6 @@ def test_refine_reaches_the_pooled_posterior_with_local_sites():
     # Gaussian random effects: each client's local estimate is exact, and says so
     assert refined.local_sd < 1e-5 and np.all(refined.history["local_sd"] < 1e-5)
     assert refined.history["bytes_up"][0] == 10 * 2 * 1000 * 8  # estimates and variances
-
-
-def random_intercepts_logit(gid, y=None, *, n_groups):
-    mu = numpyro.sample("mu", dist.Normal(0.0, 1.0))
-    tau = numpyro.sample("tau", dist.LogNormal(0.0, 1.0))
-    with numpyro.plate("groups", n_groups):
-        z = numpyro.sample("z", dist.Normal(0.0, 1.0))
-    with numpyro.plate("data", gid.shape[0]):
-        numpyro.sample("y", dist.Bernoulli(logits=mu + tau * z[gid]), obs=y)
 
 
 def test_noisy_local_estimates_are_reported(monkeypatch):
