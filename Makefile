@@ -1,23 +1,30 @@
 # Two commands do all the set-up on a fresh machine:
-#   make demo   - create/refresh .venv, install fedppl, run the federated demo (table + plot)
-#   make test   - create/refresh .venv, install fedppl with test extras, lint, type check, run
+#   make demo   - create/refresh .venv, install fedppl (no extras), run the federated demo (table + plot)
+#   make test   - create/refresh .venv, install fedppl with every extra, lint, type check, run
 #                 the test suite and the docstring examples
 PYTHON ?= $(shell command -v python3.11 || command -v python3)
 VENV   := .venv
 BIN    := $(VENV)/bin
+BASE   := $(VENV)/.installed-base
 STAMP  := $(VENV)/.installed
 # pytest-xdist workers; --dist loadfile keeps each test file (and its fixtures) on one worker
 TEST_JOBS ?= 2
 
 .PHONY: demo test bench clean
 
-$(STAMP): pyproject.toml constraints.txt
+# Two stamps: `make demo` installs fedppl alone (JAX, NumPyro and the base dependencies: what
+# the demo runs), `make test` adds every extra (ArviZ, Flower with Ray, the Pyro port with torch).
+$(BASE): pyproject.toml constraints.txt
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install --quiet --upgrade pip
+	$(BIN)/python -m pip install --quiet -c constraints.txt -e .
+	touch $(BASE)
+
+$(STAMP): $(BASE)
 	$(BIN)/python -m pip install --quiet -c constraints.txt -e ".[dev,arviz,flower,pyro]"
 	touch $(STAMP)
 
-demo: $(STAMP)
+demo: $(BASE)
 	$(BIN)/fedppl demo
 
 # The suite is compile-bound (hundreds of small programs, each run briefly): XLA's lower

@@ -1,46 +1,150 @@
-"""Export a fedppl result to ArviZ, with a ``client`` dimension for the client factors.
+"""Export a fedppl result to ArviZ 1.x, with a ``client`` dimension for the client factors.
+
+Every result's ``to_arviz()`` returns an ``xarray.DataTree`` built by ``arviz_base.from_dict``:
+what ``arviz_stats`` (``summary``, ``ess``, ``rhat``, ``loo``) and ``arviz_plots`` (``plot_dist``,
+``plot_forest``...) take. Posterior draws are independent draws of the approximate posterior,
+arranged as :data:`NUM_CHAINS` chains of ``num_samples / NUM_CHAINS`` draws, so r-hat is defined
+(and near 1: the chains are independent draws of one distribution).
 
 Example::
 
     >>> import jax, numpy as np, fedppl
+    >>> from arviz_stats import summary
     >>> from fedppl.models import linear_regression as model
     >>> rng = np.random.default_rng(0)
     >>> X = rng.normal(size=(60, 2))
     >>> clients = fedppl.partition.homogeneous(X, X @ np.ones(2), num_clients=3, seed=0)
     >>> result = fedppl.PVI(model, fedppl.PVIGuide(model)).run(
     ...     jax.random.key(0), clients, num_rounds=1, progress_bar=False)
-    >>> idata = result.to_arviz(jax.random.key(0), num_samples=100)
-    >>> idata.posterior["w"].shape                   # (chain, draw, w_dim_0)
-    (1, 100, 2)
-    >>> idata.constant_data["factor_nat1"].dims      # each t_k in natural parameters, per client
+    >>> dt = result.to_arviz(jax.random.key(0), num_samples=400)
+    >>> dt.posterior["w"].shape                      # (chain, draw, w_dim_0)
+    (4, 100, 2)
+    >>> dt.constant_data["factor_nat1"].dims         # each t_k in natural parameters, per client
     ('client', 'theta')
+    >>> table = summary(dt, var_names=["w"])     # mean, sd, interval, ess, r_hat, mcse
+    >>> bool(table["r_hat"].max() < 1.05), list(table.index)
+    (True, ['w[0]', 'w[1]'])
 """
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+import importlib
+import warnings
+from types import ModuleType
+from typing import TYPE_CHECKING, Any
 
-import jax
 import numpy as np
 
-from fedppl.families import gaussian as g
+from fedppl import validation
 
 if TYPE_CHECKING:  # pragma: no cover
     from fedppl.infer.variational import PVIResult
 
-__all__ = ["to_inference_data"]
+__all__ = ["NUM_CHAINS", "to_inference_data", "from_dict", "as_chains", "check_num_samples",
+           "history_attrs", "arviz_base", "arviz_stats", "arviz_plots"]
+
+#: Chains the posterior draws of every ``to_arviz()`` are split into.
+NUM_CHAINS = 4
+EXTRA = "ArviZ export needs the arviz extra: pip install 'fedppl[arviz]'"
 
 
-def _arviz():
+def _missing(e: ImportError) -> ImportError:  # pragma: no cover - depends on the environment
+    return ImportError(f"{EXTRA} (could not import {e.name})")
+
+
+def arviz_base() -> ModuleType:
+    """The ``arviz_base`` module (data: ``from_dict``, ``extract``...)."""
     try:
-        import arviz
+        import arviz_base
     except ImportError as e:  # pragma: no cover - depends on the environment
-        raise ImportError("ArviZ export needs the arviz extra: pip install 'fedppl[arviz]'") from e
-    return arviz
+        raise _missing(e) from e
+    return arviz_base
+
+
+def arviz_stats() -> ModuleType:
+    """The ``arviz_stats`` module (``summary``, ``ess``, ``rhat``, ``loo``, PSIS)."""
+    try:
+        import arviz_stats
+    except ImportError as e:  # pragma: no cover - depends on the environment
+        raise _missing(e) from e
+    return arviz_stats
+
+
+def _load_matplotlib_style_core() -> None:
+    """Import ``matplotlib.style.core`` (deprecated in Matplotlib 3.11, silently here) so that
+    ``matplotlib.style.core``, which arviz-plots 0.8 reads at import, exists."""
+    import matplotlib.style
+
+    if not hasattr(matplotlib.style, "core"):
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            importlib.import_module("matplotlib.style.core")
+
+
+def arviz_plots() -> ModuleType:
+    """The ``arviz_plots`` module, importable beside Matplotlib 3.11.
+
+    arviz-plots 0.8 registers its styles through ``matplotlib.style.core``, a submodule that
+    Matplotlib 3.11 deprecated and no longer imports itself (arviz-plots issue #500), so a bare
+    ``import arviz_plots`` fails there with ``AttributeError``. This loads the submodule first
+    (silencing its deprecation warning), and arviz-plots' Matplotlib backend (silencing
+    Matplotlib 3.11's pending deprecation of how it registers a scale). After one call, or
+    after any ``to_arviz()``, a plain ``import arviz_plots`` works too."""
+    _load_matplotlib_style_core()
+    try:
+        import arviz_plots
+    except ImportError as e:  # pragma: no cover - depends on the environment
+        raise _missing(e) from e
+    with warnings.catch_warnings():  # its Matplotlib backend registers a scale the old way
+        warnings.filterwarnings("ignore", "The scale 'SquareRootScale' uses an 'axis'",
+                                PendingDeprecationWarning)
+        importlib.import_module("arviz_plots.backend.matplotlib")
+    return arviz_plots
+
+
+def check_num_samples(num_samples: Any) -> int:
+    """A positive multiple of :data:`NUM_CHAINS`, at least that many draws per chain."""
+    n = validation.positive_int(num_samples, "num_samples")
+    if n % NUM_CHAINS or n < NUM_CHAINS**2:
+        raise ValueError(f"num_samples must be a multiple of {NUM_CHAINS} and at least "
+                         f"{NUM_CHAINS**2} (the draws are exported as {NUM_CHAINS} chains of "
+                         f"num_samples / {NUM_CHAINS}), got {n}")
+    return n
+
+
+def as_chains(draws: Any) -> np.ndarray:
+    """``(S, ...)`` independent draws as ``(NUM_CHAINS, S / NUM_CHAINS, ...)``."""
+    arr = np.asarray(draws)
+    n = check_num_samples(arr.shape[0])
+    return arr.reshape(NUM_CHAINS, n // NUM_CHAINS, *arr.shape[1:])
+
+
+def _attr(value: Any) -> Any:
+    """An attribute value netCDF can store (None as the string ``"None"``, arrays as lists)."""
+    if value is None:
+        return "None"
+    if hasattr(value, "__array__"):  # NumPy, JAX or torch arrays and scalars
+        return np.asarray(value).tolist()
+    return value
+
+
+def from_dict(groups: dict[str, dict[str, Any] | None], *, dims: dict[str, list] | None = None,
+              coords: dict[str, Any] | None = None,
+              attrs: dict[str, dict[str, Any]] | None = None, **kwargs: Any):
+    """``arviz_base.from_dict`` of the non-empty groups (arrays converted to NumPy; groups whose
+    name holds ``data`` have no sample dimensions), with ``attrs`` per group."""
+    ab = arviz_base()
+    arviz_stats()  # summaries need it: fail at export, not at the first summary
+    _load_matplotlib_style_core()  # then a plain ``import arviz_plots`` works too
+    data = {name: {k: np.asarray(v) for k, v in group.items()}
+            for name, group in groups.items() if group}
+    attrs = {name: {k: _attr(v) for k, v in a.items()}
+             for name, a in (attrs or {}).items() if name in data or name == "/"}
+    return ab.from_dict(data, dims=dims, coords=coords, attrs=attrs, **kwargs)
 
 
 def to_inference_data(result: PVIResult, rng_key=None, num_samples: int = 1000):
-    """Posterior draws (one chain), per-client factor precisions and run history.
+    """Posterior draws (:data:`NUM_CHAINS` chains), per-client factor precisions and run history.
 
     Local sites (a client's random effects) carry a ``client`` dimension after ``draw``.
 
@@ -50,19 +154,22 @@ def to_inference_data(result: PVIResult, rng_key=None, num_samples: int = 1000):
     and ``mc_error``) go to ``constant_data`` as ``last_<name>``, the last round's value per
     client (dimension ``client``).
     """
-    az = _arviz()
+    import jax
+
+    from fedppl.families import gaussian as g
+
+    num_samples = check_num_samples(num_samples)
     rng_key = jax.random.key(0) if rng_key is None else rng_key
     # every client's local sites, drawn given the same draws of the global ones
     draws = result.guide.sample(rng_key, result.q, num_samples, result.local)
-    draws = {k: np.asarray(v)[None] for k, v in draws.items()}
     nat1 = np.asarray(result.factors.nat1)
-    prec = np.asarray(result.factors.prec)
     full = isinstance(result.factors, g.FullGaussian)
-    constant = {"factor_nat1": nat1, "factor_prec": prec}
+    constant = {"factor_nat1": nat1, "factor_prec": np.asarray(result.factors.prec)}
     dims = {"factor_nat1": ["client", "theta"],
             "factor_prec": ["client", "theta", "theta_"] if full else ["client", "theta"]}
-    coords = {"client": list(result.client_names) or list(range(nat1.shape[0]))}
+    coords: dict[str, list] = {"client": list(result.client_names) or list(range(len(nat1)))}
     if result.local is not None:
+        assert result.guide.local_layout is not None
         for site in result.guide.local_layout.sites:
             dims[site.name] = ["client"] + [f"{site.name}_dim_{i}" for i in range(len(site.shape))]
     for key in result.client_stats:  # per-client statistics of the last round
@@ -70,13 +177,20 @@ def to_inference_data(result: PVIResult, rng_key=None, num_samples: int = 1000):
         if values is not None and len(values):
             constant[f"last_{key}"] = np.asarray(values[-1])
             dims[f"last_{key}"] = ["client"]
-    idata = az.from_dict(posterior=draws, constant_data=constant, coords=coords, dims=dims)
-    fe = result.history.get("free_energy")
+    return from_dict({"posterior": {k: as_chains(v) for k, v in draws.items()},
+                      "constant_data": constant},
+                     coords=coords, dims=dims, attrs={"posterior": history_attrs(result.history)})
+
+
+def history_attrs(history: dict[str, Any]) -> dict[str, Any]:
+    """The run's final local free energy, number of rounds, ``converged`` and ``kl_change``."""
+    out: dict[str, Any] = {}
+    fe = history.get("free_energy")
     if fe is not None and len(fe):
-        idata.posterior.attrs["final_local_free_energy"] = np.asarray(fe[-1]).tolist()
-        idata.posterior.attrs["num_rounds"] = len(fe)
+        out["final_local_free_energy"] = np.asarray(fe[-1]).tolist()
+        out["num_rounds"] = len(fe)
     for key in ("converged", "kl_change"):
-        values = result.history.get(key)
+        values = history.get(key)
         if values is not None and len(values):
-            idata.posterior.attrs[f"final_{key}"] = np.asarray(values[-1]).tolist()
-    return idata
+            out[f"final_{key}"] = np.asarray(values[-1]).tolist()
+    return out

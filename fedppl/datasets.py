@@ -71,12 +71,24 @@ def _read(path: Path, dtype: type) -> np.ndarray:
         try:
             return np.loadtxt(path, dtype=dtype, ndmin=2 if dtype is np.float64 else 1)
         except ValueError as e:
+            if "number of columns changed" in str(e):  # a ragged table
+                raise ValueError(f"{path}: every row must have the same number of columns; "
+                                 f"{str(e).split(';')[0]}") from None
             kind = "numbers" if dtype is np.float64 else "integer indices"
             raise ValueError(f"{path} should hold {kind}: {e}") from None
 
 
 def _indices(folder: Path, name: str) -> np.ndarray:
     return _read(_file(folder, name), np.int64)
+
+
+def _n_splits(path: Path) -> int:
+    """The one positive count in ``n_splits.txt``."""
+    counts = _read(path, np.int64)
+    if counts.size != 1 or counts[0] < 1:
+        raise ValueError(f"{path} should hold one positive number of splits, got "
+                         f"{counts.tolist()}")
+    return int(counts[0])
 
 
 def _check_columns(folder: Path, features: np.ndarray, target: np.ndarray, width: int) -> None:
@@ -120,13 +132,18 @@ def load_uci(path: str | Path, split: int | None = None) -> UCIData:
     """Read the dataset folder ``path``, with the train/test indices of ``split`` if given.
 
     Raises ``FileNotFoundError`` (naming the path) for a missing folder or file, and
-    ``ValueError`` for values that are not finite, no feature columns, column indices out of
-    range, a split out of range, and train/test indices out of range, repeated or overlapping.
+    ``ValueError`` (naming the file) for an empty ``data.txt`` or rows of different lengths,
+    values that are not finite, no feature columns, column indices out of range, a split out of
+    range, an empty or malformed ``n_splits.txt``, and train/test indices that are empty, out of
+    range, repeated or overlapping.
     """
     folder = Path(path)
     if not folder.is_dir():
         raise FileNotFoundError(f"UCI dataset folder not found: {folder}")
-    data = _read(_file(folder, "data.txt"), np.float64)
+    data_path = _file(folder, "data.txt")
+    data = _read(data_path, np.float64)
+    if data.size == 0:
+        raise ValueError(f"data.txt at {data_path} is empty (no rows of numbers)")
     features = _indices(folder, "index_features.txt")
     target = _indices(folder, "index_target.txt")
     _check_columns(folder, features, target, data.shape[1])
@@ -134,7 +151,7 @@ def load_uci(path: str | Path, split: int | None = None) -> UCIData:
     _check_values(folder, X, y)
 
     n_path = folder / "n_splits.txt"
-    n_splits = int(_read(n_path, np.int64)[0]) if n_path.is_file() else None
+    n_splits = _n_splits(n_path) if n_path.is_file() else None
     if split is None:
         return UCIData(X, y, n_splits=n_splits)
     if n_splits is None:
@@ -146,6 +163,9 @@ def load_uci(path: str | Path, split: int | None = None) -> UCIData:
                          f"(0 to {n_splits - 1})")
     train = _indices(folder, f"index_train_{split}.txt")
     test = _indices(folder, f"index_test_{split}.txt")
+    for name, idx in ((f"index_train_{split}.txt", train), (f"index_test_{split}.txt", test)):
+        if idx.size == 0:
+            raise ValueError(f"{folder / name} is empty (no row indices)")
     _check_split(split, train, test, X.shape[0])
     return UCIData(X, y, train, test, n_splits)
 

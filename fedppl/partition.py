@@ -61,7 +61,8 @@ def homogeneous(X: np.ndarray, y: np.ndarray, num_clients: int, seed: int = 0) -
 def _feature_order(X: np.ndarray, y: np.ndarray, feature: int | None) -> np.ndarray:
     """Row order by ``X[:, feature]``; ``None`` takes the feature most correlated with ``y``."""
     if X.ndim != 2:
-        raise ValueError(f"sorting by a feature needs X of shape (N, D), got {X.shape}")
+        hint = ": use X[:, None] for one feature" if X.ndim == 1 else ""
+        raise ValueError(f"sorting by a feature needs X of shape (N, D), got {X.shape}{hint}")
     if feature is not None and (isinstance(feature, bool)
                                 or not isinstance(feature, (int, np.integer))):
         raise TypeError(f"feature must be a column index, got {feature!r}")

@@ -23,6 +23,8 @@ Example::
 
 from __future__ import annotations
 
+import functools
+import inspect
 import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -39,7 +41,7 @@ from numpyro.distributions.transforms import IdentityTransform, Transform, bijec
 from fedppl.families.gaussian import DiagGaussian, FullGaussian, Gaussian
 
 __all__ = ["Site", "SiteLayout", "classify", "prior_factor", "prior_correction", "curvature",
-           "float_dtype", "cast_floats"]
+           "float_dtype", "cast_floats", "positional", "KeywordData", "check_observations"]
 
 BASE_DRAWS = 512  # prior draws that place the Gaussian base of a corrected site
 
@@ -107,6 +109,7 @@ class SiteLayout:
         not have, or latent sites left out of ``global_sites``, raise a ``ValueError`` (use
         :func:`classify` to split a model's sites into global and local ones).
         """
+        model = positional(model)
         tr, names, local = classify(model, args, kwargs, global_sites, None)
         if local:
             raise ValueError(
@@ -262,7 +265,12 @@ def classify(model: Callable, args: tuple, kwargs: dict,
     (in the model's order). Unknown names, discrete latent sites and local sites inside the data
     plate raise a ``ValueError`` naming the site.
     """
-    tr = handlers.trace(handlers.seed(model, 0)).get_trace(*args, **kwargs)
+    model = positional(model)
+    try:
+        tr = handlers.trace(handlers.seed(model, 0)).get_trace(*args, **kwargs)
+    except Exception as err:  # the model's own error, with the shapes of what it was given
+        raise _model_error(err, model, args, kwargs) from err
+    check_observations(model, tr, args)
     latent = [
         name for name, site in tr.items()
         if site["type"] == "sample" and not site["is_observed"]
@@ -312,6 +320,162 @@ def classify(model: Callable, args: tuple, kwargs: dict,
                 "per-group quantities: put it in a plate over groups, or marginalise it out"
             )
     return tr, names, local
+
+
+# -- the model's data arguments -------------------------------------------------------------------
+
+
+class KeywordData:
+    """A model whose data arguments are keyword-only (``def model(*, X, y=None)``), callable
+    with its data positionally, as fedppl calls every model (``model(*client_arrays,
+    **model_kwargs)``): the arrays beyond the model's positional parameters go, in order, to its
+    keyword-only parameters in the order they are declared. Build with :func:`positional`.
+
+    Example::
+
+        >>> def kw_model(*, X, y=None):
+        ...     return X.shape, y
+        >>> positional(kw_model)(np.zeros((3, 2)), None)
+        ((3, 2), None)
+    """
+
+    def __init__(self, model: Callable, num_positional: int, keywords: tuple[str, ...]):
+        self.model = model
+        self.num_positional = num_positional
+        self.keywords = keywords
+        functools.update_wrapper(self, model)
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        extra = args[self.num_positional:]
+        if not extra:
+            return self.model(*args, **kwargs)
+        if len(extra) > len(self.keywords):
+            raise TypeError(
+                f"{_name(self.model)} takes {self.num_positional} positional and "
+                f"{len(self.keywords)} keyword-only arguments {list(self.keywords)}, but was "
+                f"given {len(args)} data arrays"
+            )
+        named = dict(zip(self.keywords, extra, strict=False))
+        clash = sorted(set(named) & set(kwargs))
+        if clash:
+            raise TypeError(f"{_name(self.model)}: {clash} given both as the clients' data "
+                            "arrays and as keyword arguments")
+        return self.model(*args[:self.num_positional], **named, **kwargs)
+
+
+def positional(model: Callable) -> Callable:
+    """``model``, or for a model with keyword-only parameters (``def model(*, X, y=None)``) a
+    :class:`KeywordData` that also takes the data positionally. A model with ``*args``, or one
+    whose signature cannot be read, is returned as it is."""
+    if isinstance(model, KeywordData):
+        return model
+    try:
+        params = list(inspect.signature(model).parameters.values())
+    except (TypeError, ValueError):
+        return model
+    kinds = [p.kind for p in params]
+    keywords = tuple(p.name for p in params if p.kind is p.KEYWORD_ONLY)
+    if not keywords or inspect.Parameter.VAR_POSITIONAL in kinds:
+        return model
+    num_positional = sum(k in (inspect.Parameter.POSITIONAL_ONLY,
+                               inspect.Parameter.POSITIONAL_OR_KEYWORD) for k in kinds)
+    return KeywordData(model, num_positional, keywords)
+
+
+def _name(model: Callable) -> str:
+    return f"{getattr(model, '__name__', type(model).__name__)}()"
+
+
+def _arg_names(model: Callable, count: int) -> list[str]:
+    """The names the model gives its first ``count`` positional data arguments (``argument i``
+    where the signature does not say)."""
+    names: list[str] = []
+    try:
+        params = inspect.signature(model).parameters.values()
+        names = [p.name for p in params if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
+        if isinstance(model, KeywordData):
+            names = names[:model.num_positional] + list(model.keywords)
+    except (TypeError, ValueError):
+        pass
+    return (names + [f"argument {i}" for i in range(len(names), count)])[:count]
+
+
+def _model_error(err: Exception, model: Callable, args: tuple, kwargs: dict) -> Exception:
+    """``err`` (a model failing on its data) with the model's arguments and their shapes, and a
+    hint where one argument is 1-D; the same exception type where that is a plain built-in."""
+    names = _arg_names(model, len(args))
+    shapes = ", ".join(f"{n} {tuple(np.shape(a))}" for n, a in zip(names, args, strict=True))
+    msg = (f"the model {_name(model)} fails on the clients' data ({shapes}"
+           f"{', keyword arguments ' + str(sorted(kwargs)) if kwargs else ''}): "
+           f"{type(err).__name__}: {err}")
+    flat = [n for n, a in zip(names, args, strict=True) if np.ndim(a) == 1]
+    if isinstance(err, IndexError) and flat and np.ndim(args[0]) == 1:
+        msg += (f". {names[0]} is 1-D: inputs are (N, D) arrays of N rows and D features; "
+                f"use {names[0]}[:, None] for one feature")
+    if type(err) in (IndexError, TypeError, ValueError, AttributeError, KeyError):
+        return type(err)(msg)
+    err.add_note(msg)
+    return err
+
+
+def check_observations(model: Callable, tr: dict, args: tuple) -> None:
+    """Refuse, before anything is compiled, observed sites that do not split over clients.
+
+    The data plates are the plates whose (full) size is the leading size of a data argument.
+    Refused, each with a ``ValueError`` naming the site (and the argument it observes):
+
+    * an observed value whose shape does not fit its distribution, so that numpyro would
+      broadcast them (``y`` of shape ``(N, 1)`` against a distribution of shape ``(N,)`` scores
+      every point against every other point's likelihood);
+    * one distribution over the whole data axis (an exact GP's ``MultivariateNormal`` over all
+      N points): it couples every data point, so it does not split over clients; inside a data
+      plate it becomes N copies of itself, another model.
+
+    Other observations outside the data plate are refused by :class:`fedppl.handlers.client`.
+    """
+    sizes = {int(np.shape(a)[0]) for a in args if np.ndim(a) > 0}
+    if not sizes:
+        return
+    data_plates = {name for name, site in tr.items()
+                   if site["type"] == "plate" and int(site["args"][0]) in sizes}
+    names = _arg_names(model, len(args))
+    for name, site in tr.items():
+        if site["type"] != "sample" or not site["is_observed"] or is_prior_factor(site):
+            continue
+        fn, value = site["fn"], site["value"]
+        obs = tuple(np.shape(value))
+        shape = tuple(fn.batch_shape) + tuple(fn.event_shape)
+        which = next((f" (the model's argument {n})" for n, a in zip(names, args, strict=True)
+                      if a is value), "")
+        joint = [d for d in innermost(fn).event_shape if d in sizes]
+        in_plate = any(f.name in data_plates for f in site["cond_indep_stack"])
+        if joint and (not in_plate or obs != shape):
+            n = joint[0]
+            copies = (f"Inside the data plate it is {n} copies of that likelihood, each scoring "
+                      "all the points: a different model" if in_plate else
+                      f"Putting it inside numpyro.plate('data', N) would not help: that makes {n} "
+                      "copies of it, a different model")
+            raise ValueError(
+                f"observed site '{name}'{which} is one {type(innermost(fn)).__name__} over all "
+                f"{n} data points (event shape {tuple(fn.event_shape)}): this likelihood couples "
+                "every data point, so it does not split over clients (a client's log-likelihood "
+                f"is not a sum over its own points). {copies}. For a federated GP use the "
+                "sparse GPs: fedppl.FederatedSGP or fedppl.FSGP"
+            )
+        try:
+            grown = tuple(np.broadcast_shapes(obs, shape)) != shape
+        except ValueError:
+            grown = True
+        if grown:
+            hint = ""
+            if obs[-1:] == (1,) and obs[:-1] == shape:
+                arg = which[len(" (the model's argument "):-1] if which else "the observed array"
+                hint = f"; pass {arg} of shape {shape} ({arg}.reshape(-1) or {arg}[:, 0])"
+            raise ValueError(
+                f"observed site '{name}'{which} has shape {obs} but its distribution has shape "
+                f"{shape}: numpyro would broadcast them, scoring each data point against every "
+                f"other point's likelihood{hint}"
+            )
 
 
 def _dependent_sites(model: Callable, args: tuple, kwargs: dict, tr: dict,

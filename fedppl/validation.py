@@ -103,7 +103,8 @@ def inputs_2d(X: Any, who: str, dim: int | None = None, name: str = "X") -> None
     """Inputs of shape (N, D), with ``D == dim`` when given."""
     shape = np.shape(X)
     if len(shape) != 2:
-        raise ValueError(f"{who}: {name} must have shape (N, D), got {shape}")
+        hint = f": use {name}[:, None] for one feature" if len(shape) == 1 else ""
+        raise ValueError(f"{who}: {name} must have shape (N, D), got {shape}{hint}")
     if dim is not None and shape[1] != dim:
         raise ValueError(f"{who}: {name} has {shape[1]} features where {dim} are expected")
 

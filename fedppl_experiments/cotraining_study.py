@@ -79,13 +79,13 @@ def _problem(cfg: Config) -> data.TwoViewData:
 
 
 def run_config(cfg: Config, rounds: int = 25, dp: ct.DPSettings = DEFAULT_DP,
-               fit_steps: int = 300) -> CoTrainingResult:
+               fit_steps: int = 300, progress_bar: bool = False) -> CoTrainingResult:
     """One co-training run of a configuration (DP settings ``dp`` where ``cfg.dp``)."""
     p = parties_of(_problem(cfg))
     method = CoTraining(cfg.combination, cfg.uncertainty, dp if cfg.dp else None,
                         fit_steps=fit_steps)
     return method.run(jax.random.key(cfg.seed), p.clients, rounds, pool=p.pool, test=p.test,
-                      y_test=p.y_test, progress_bar=False)
+                      y_test=p.y_test, progress_bar=progress_bar)
 
 
 def run_one(cfg: Config, rounds: int = 25, dp: ct.DPSettings = DEFAULT_DP,

@@ -8,14 +8,14 @@ plot of the local free energies over rounds and of posterior marginals.
 
 Example::
 
-    $ fedppl demo --clients 10 --rounds 10 --out fedppl-demo.png
+    $ fedppl demo --clients 10 --rounds 10 --plot fedppl-demo.png
 """
 
 from __future__ import annotations
 
 import json
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -43,6 +43,8 @@ class Row:
     elbo: float
     rounds: int
     seconds: float
+    history: dict[str, Any] = field(default_factory=dict, repr=False)  # the run's, if any
+    rejected: list[Any] = field(default_factory=list, repr=False)
 
 
 def load_breast_cancer(seed: int = 0) -> tuple[np.ndarray, ...]:
@@ -71,7 +73,7 @@ def predictive(samples: dict, X: np.ndarray, y: np.ndarray) -> tuple[float, floa
 def demo_task(run_config: dict[str, Any]):
     """The demo's PVI run as a :class:`fedppl.runtime.flower.Task` (from its run config: clients,
     rounds, local-steps, seed, schedule, damping): what every runtime runs."""
-    from fedppl.runtime.flower import Task
+    from fedppl.runtime.task import Task
 
     jax.config.update("jax_enable_x64", True)
     K, seed = int(run_config["clients"]), int(run_config["seed"])
@@ -115,11 +117,10 @@ def _on_flower(runtime: str, config: dict[str, Any]) -> PVIResult:
 
 def run_demo(num_clients: int = 10, num_rounds: int = 10, local_steps: int = 100,
              out: str | None = "fedppl-demo.png", seed: int = 0, progress_bar: bool = True,
-             runtime: str = "embedded", json_path: str | None = None,
-             ppl: str = "numpyro") -> list[Row]:
-    """Run the comparison, print the table, write the plot (and the table's figures as JSON to
-    ``json_path``); returns the table rows. ``runtime`` runs the PVI rows on the embedded runtime,
-    Flower's Simulation Engine (``"flower"``) or a local Deployment Engine
+             runtime: str = "embedded", ppl: str = "numpyro") -> list[Row]:
+    """Run the comparison, print the table, write the plot; returns the table rows (each with
+    its run's history; ``fedppl demo --json`` writes them). ``runtime`` runs the PVI rows on the
+    embedded runtime, Flower's Simulation Engine (``"flower"``) or a local Deployment Engine
     (``"flower-deployment"``). ``ppl="pyro"`` runs the same comparison with the Pyro port
     (:mod:`fedppl_experiments.demo_pyro`, embedded runtime only)."""
     if runtime not in RUNTIMES:
@@ -131,8 +132,7 @@ def run_demo(num_clients: int = 10, num_rounds: int = 10, local_steps: int = 100
             raise ValueError("the Pyro demo runs on the embedded runtime only")
         from fedppl_experiments.demo_pyro import run_demo_pyro
 
-        return run_demo_pyro(num_clients, num_rounds, local_steps, out, seed, progress_bar,
-                             json_path)
+        return run_demo_pyro(num_clients, num_rounds, local_steps, out, seed, progress_bar)
     jax.config.update("jax_enable_x64", True)
     Xtr, ytr, Xte, yte = load_breast_cancer(seed)
     clients = partition.by_feature(Xtr, ytr, num_clients)
@@ -142,7 +142,8 @@ def run_demo(num_clients: int = 10, num_rounds: int = 10, local_steps: int = 100
 
     def record(name, result: PVIResult, rounds, seconds):
         acc, ll = predictive(result.sample(jax.random.key(1), 2000), Xte, yte)
-        rows.append(Row(name, acc, ll, float(result.history["elbo"][-1]), rounds, seconds))
+        rows.append(Row(name, acc, ll, float(result.history["elbo"][-1]), rounds, seconds,
+                        dict(result.history), list(result.rejected)))
         runs[name] = result
 
     for schedule, damping in [("sequential", 1.0), ("synchronous", 0.5)]:
@@ -159,17 +160,11 @@ def run_demo(num_clients: int = 10, num_rounds: int = 10, local_steps: int = 100
 
     t0 = time.perf_counter()
     ref = GlobalVI(model, PVIGuide(model, family="meanfield"), num_steps=10 * local_steps).run(
-        key, clients)
+        key, clients, progress_bar=progress_bar)
     record("global VI (pooled data)", ref, 1, time.perf_counter() - t0)
 
     rows.extend(_clients_alone(model, clients, local_steps, key, Xte, yte))
     _print_table(rows, clients)
-    if json_path:
-        with open(json_path, "w") as f:
-            json.dump({"runtime": runtime, "clients": num_clients, "rounds": num_rounds,
-                       "rows": [{k: (None if isinstance(v, float) and np.isnan(v) else v)
-                                 for k, v in asdict(r).items()} for r in rows]}, f, indent=1)
-        print(f"table written to {json_path}")
     if out:
         _plot(runs, out)
         print(f"plot written to {out}")

@@ -14,10 +14,8 @@ Example::
 
 from __future__ import annotations
 
-import json
 import math
 import time
-from dataclasses import asdict
 from typing import Any
 
 import numpy as np
@@ -56,18 +54,18 @@ class _AsNumpy:
 
 
 def run_demo_pyro(num_clients: int = 10, num_rounds: int = 10, local_steps: int = 100,
-                  out: str | None = "fedppl-demo.png", seed: int = 0, progress_bar: bool = True,
-                  json_path: str | None = None) -> list[Row]:
+                  out: str | None = "fedppl-demo.png", seed: int = 0, progress_bar: bool = True
+                  ) -> list[Row]:
     """The demo with :mod:`fedppl.pyro` (see :func:`fedppl_experiments.demo.run_demo`)."""
     before = torch.get_default_dtype()
     torch.set_default_dtype(torch.float64)
     try:
-        return _run(num_clients, num_rounds, local_steps, out, seed, progress_bar, json_path)
+        return _run(num_clients, num_rounds, local_steps, out, seed, progress_bar)
     finally:
         torch.set_default_dtype(before)
 
 
-def _run(num_clients, num_rounds, local_steps, out, seed, progress_bar, json_path) -> list[Row]:
+def _run(num_clients, num_rounds, local_steps, out, seed, progress_bar) -> list[Row]:
     Xtr, ytr, Xte, yte = load_breast_cancer(seed)
     clients = partition.by_feature(Xtr, ytr, num_clients)
     model = logistic_regression
@@ -79,7 +77,8 @@ def _run(num_clients, num_rounds, local_steps, out, seed, progress_bar, json_pat
 
     def record(name: str, result: PVIResult, rounds: int, seconds: float) -> None:
         acc, ll = predictive(result.sample(torch.Generator().manual_seed(1), 2000), Xte, yte)
-        rows.append(Row(name, acc, ll, float(result.history["elbo"][-1]), rounds, seconds))
+        rows.append(Row(name, acc, ll, float(result.history["elbo"][-1]), rounds, seconds,
+                        dict(result.history), list(result.rejected)))
         runs[name] = _AsNumpy(result)
 
     for schedule, damping in [("sequential", 1.0), ("synchronous", 0.5)]:
@@ -96,13 +95,6 @@ def _run(num_clients, num_rounds, local_steps, out, seed, progress_bar, json_pat
     rows.extend(_clients_alone(model, clients, local_steps, key(), Xte, yte))
     _print_table(rows, clients)
     print("(fedppl.pyro: the Pyro port, torch float64)\n")
-    if json_path:
-        with open(json_path, "w") as f:
-            json.dump({"runtime": "embedded", "ppl": "pyro", "clients": num_clients,
-                       "rounds": num_rounds,
-                       "rows": [{k: (None if isinstance(v, float) and np.isnan(v) else v)
-                                 for k, v in asdict(r).items()} for r in rows]}, f, indent=1)
-        print(f"table written to {json_path}")
     if out:
         _plot(runs, out)
         print(f"plot written to {out}")

@@ -85,9 +85,11 @@ def evaluate(result: FedBNRResult, prep: Prepared, last_layer: str | None = None
 def run(path: str, num_clients: int, variants: Sequence[str] = ("avg",), seed: int = 0,
         spec: URKSpec | None = None, rounds: int = 100, local_steps: int = 50,
         optimizer: optax.GradientTransformation | None = None, kd_alpha: float = 5.0,
-        kd_steps: int = 50, progress_bar: bool = False) -> dict[str, dict[str, Any]]:
+        kd_steps: int = 50, progress_bar: bool = False, keep_history: bool = False
+        ) -> dict[str, dict[str, Any]]:
     """Run the requested variants; those sharing a kernel-learning method share one run, and
-    each scores its own last layer from it (``optimizer`` default: ``optax.adam(1e-2)``)."""
+    each scores its own last layer from it (``optimizer`` default: ``optax.adam(1e-2)``).
+    ``keep_history`` adds the run's ``history`` and ``rejected`` to each row."""
     unknown = [v for v in variants if v not in VARIANTS]
     if unknown:
         raise ValueError(f"unknown variants {unknown}; choose from {sorted(VARIANTS)}")
@@ -110,4 +112,6 @@ def run(path: str, num_clients: int, variants: Sequence[str] = ("avg",), seed: i
                 "kernel_seconds": seconds, "rounds": result.num_rounds,
                 "rounds_to_convergence": result.rounds_to_convergence,
                 "best_round": result.best_round}
+            if keep_history:
+                rows[v] |= {"history": dict(result.history), "rejected": list(result.rejected)}
     return rows

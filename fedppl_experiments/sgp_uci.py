@@ -84,7 +84,8 @@ def fit_one(method: str, prep: Prepared, num_rounds: int, config: Any = None, se
     return {"method": method, "log_lik": float(ll), "rmse": float(err),
             "rounds": num_rounds, "rounds_to_convergence": result.rounds_to_convergence(),
             "seconds": seconds, "seconds_per_round": float(np.median(result.history["seconds"])),
-            "history": history, **({"result": result} if keep_result else {})}
+            "history": history, "rejected": [list(r) for r in result.rejected],
+            **({"result": result} if keep_result else {})}
 
 
 def run(path: str, split: int = 0, num_clients: int = 10, methods: Sequence[str] = METHODS,

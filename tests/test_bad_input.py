@@ -9,6 +9,8 @@ from pathlib import Path
 import jax
 import jax.numpy as jnp
 import numpy as np
+import numpyro
+import numpyro.distributions as dist
 import optax
 import pytest
 
@@ -61,6 +63,39 @@ def _uci(tmp: Path, data: str, train="0\n1\n2\n", test="3\n4\n", features="0\n1\
 
 
 GOOD_ROWS = "".join(f"{i} {2 * i} {3 * i}\n" for i in range(5))
+
+
+def exact_gp(X, y=None):
+    """An exact GP: one MultivariateNormal over all the data points (does not split)."""
+    ls = numpyro.sample("ls", dist.LogNormal(0.0, 1.0))
+    d = X[:, None, 0] - X[None, :, 0]
+    K = jnp.exp(-0.5 * d**2 / ls**2) + 0.1 * jnp.eye(X.shape[0])
+    numpyro.sample("y", dist.MultivariateNormal(jnp.zeros(X.shape[0]), K), obs=y)
+
+
+def exact_gp_in_plate(X, y=None):
+    """The exact GP "fixed" by a data plate: N copies of the whole likelihood, another model."""
+    ls = numpyro.sample("ls", dist.LogNormal(0.0, 1.0))
+    d = X[:, None, 0] - X[None, :, 0]
+    K = jnp.exp(-0.5 * d**2 / ls**2) + 0.1 * jnp.eye(X.shape[0])
+    with numpyro.plate("data", X.shape[0]):
+        numpyro.sample("y", dist.MultivariateNormal(jnp.zeros(X.shape[0]), K), obs=y)
+
+
+def kw_linear(*, X, y=None):
+    """fedppl.models.linear_regression with keyword-only data arguments."""
+    linear_regression(X, y)
+
+
+def kw_only_X(*, X):
+    """A model of one keyword-only data argument, given two arrays per client."""
+    linear_regression(X)
+
+
+def _setup(model, clients):
+    """What every NumPyro front does first (PVI, GlobalVI, EP, OneShot, Importance): trace the
+    model on one client's data; no round is compiled."""
+    return fedppl.PVIGuide(model).setup(*clients.client(0))
 
 # (callable, exception, words the message must contain)
 CASES = {
@@ -173,7 +208,66 @@ CASES = {
         _uci(tmp, GOOD_ROWS, test="3\n9\n"), 0), ValueError, "out of range"),
     "uci-missing-split": (lambda tmp: fedppl.datasets.load_uci(_uci(tmp, GOOD_ROWS), 4),
                           ValueError, "split 4 out of range"),
+    # -- issue 36's remaining obscure errors ------------------------------------------------
+    # 1-D X: the model's IndexError, with the argument, its shape and the fix
+    "model-1d-X": (lambda: _run_pvi(_clients(X=X[:, 0])), IndexError,
+                   "X (20,), y (20,)): IndexError: tuple index out of range. X is 1-D"),
+    "model-1d-X-hint": (lambda: _setup(logistic_regression, _clients(X=X[:, 0])), IndexError,
+                        "use X[:, None] for one feature"),
+    "globalvi-1d-X": (lambda: fedppl.GlobalVI(logistic_regression, fedppl.PVIGuide(
+        logistic_regression)).run(KEY, _clients(X=X[:, 0]), progress_bar=False), IndexError,
+                      "X[:, None]"),
+    "sgp-1d-X": (lambda: fedppl.FederatedSGP().run(KEY, _clients(X=X[:, 0], y=Y_REAL), 1),
+                 ValueError, "client 0: X must have shape (N, D), got (20,): use X[:, None]"),
+    "fsgp-1d-X": (lambda: fedppl.FSGP().run(KEY, _clients(X=X[:, 0], y=Y_REAL), 1), ValueError,
+                  "client 0: X must have shape (N, D), got (20,): use X[:, None]"),
+    "by-feature-1d-X": (lambda: fedppl.partition.by_feature(X[:, 0], Y_REAL, 2), ValueError,
+                        "X[:, None]"),
+    # y of shape (N, 1): refused (not squeezed), naming the site and the argument
+    "model-y-column": (lambda: _run_pvi(_clients(y=Y_BIN[:, None])), ValueError,
+                       "observed site 'y' (the model's argument y) has shape (20, 1)"),
+    "model-y-column-hint": (lambda: _setup(linear_regression, _clients(y=Y_REAL[:, None])),
+                            ValueError, "pass y of shape (20,) (y.reshape(-1)"),
+    "sgp-y-column": (lambda: fedppl.FederatedSGP().run(KEY, _clients(y=Y_REAL[:, None]), 1),
+                     ValueError, "client 0: need y of shape (N,), got (20, 1)"),
+    "fsgp-y-column": (lambda: fedppl.FSGP().run(KEY, _clients(y=Y_REAL[:, None]), 1),
+                      ValueError, "y.reshape(-1)"),
+    # keyword-only data arguments are supported (test below); more arrays than arguments is not
+    "kw-model-too-many-arrays": (lambda: _setup(kw_only_X, _clients(y=Y_REAL)), TypeError,
+                                 "keyword-only arguments ['X'], but was given 2 data arrays"),
+    # an exact GP does not split over clients, with or without a data plate
+    "exact-gp": (lambda: fedppl.PVI(exact_gp, fedppl.PVIGuide(exact_gp)).init(
+        KEY, _clients(y=Y_REAL)), ValueError,
+        "observed site 'y' (the model's argument y) is one MultivariateNormal over all 20 data "
+        "points (event shape (20,)): this likelihood couples every data point, so it does not "
+        "split over clients"),
+    "exact-gp-sparse-advice": (lambda: _setup(exact_gp, _clients(y=Y_REAL)), ValueError,
+                               "fedppl.FederatedSGP or fedppl.FSGP"),
+    "exact-gp-in-data-plate": (lambda: _setup(exact_gp_in_plate, _clients(y=Y_REAL)), ValueError,
+                               "inside the data plate it is 20 copies of that likelihood"),
+    "client-handler-exact-gp": (lambda: numpyro.handlers.trace(numpyro.handlers.seed(
+        fedppl.handlers.client(exact_gp, mask=jnp.ones(40, bool)), 0)).get_trace(X, Y_REAL),
+        ValueError, "over all 40 data points (event shape (40,)): it couples every data point"),
+    # malformed UCI folders: the file named
+    "uci-empty-data": (lambda tmp: fedppl.datasets.load_uci(_uci(tmp, ""), 0), ValueError,
+                       "data.txt at "),
+    "uci-blank-data": (lambda tmp: fedppl.datasets.load_uci(_uci(tmp, "\n\n"), 0), ValueError,
+                       "uci/data.txt is empty"),
+    "uci-ragged-rows": (lambda tmp: fedppl.datasets.load_uci(_uci(tmp, GOOD_ROWS + "5 10\n"), 0),
+                        ValueError, "data.txt: every row must have the same number of columns"),
+    "uci-empty-train-index": (lambda tmp: fedppl.datasets.load_uci(_uci(tmp, GOOD_ROWS, train=""),
+                                                                   0), ValueError,
+                              "index_train_0.txt is empty"),
+    "uci-empty-n-splits": (lambda tmp: _uci_n_splits(tmp, ""), ValueError, "n_splits.txt"),
+    "uci-zero-n-splits": (lambda tmp: _uci_n_splits(tmp, "0\n"), ValueError,
+                          "one positive number of splits"),
 }
+
+def _uci_n_splits(tmp: Path, text: str):
+    folder = _uci(tmp, GOOD_ROWS)
+    (folder / "n_splits.txt").write_text(text)
+    return fedppl.datasets.load_uci(folder, 0)
+
 
 # fedppl <flags> -> argparse refuses, naming the flag
 CLI = {
@@ -219,3 +313,17 @@ def test_nothing_is_computed_for_a_refused_client():
         pvi.init(KEY, _clients(y=Y_BIN * 2))
     assert not hasattr(pvi, "_round_fn")
     assert optax  # the good optimiser path is exercised by the front tests
+
+
+def test_keyword_only_data_arguments_are_supported():
+    """``def kw_linear(*, X, y=None)``: the clients' arrays go to its keyword-only parameters in
+    order, and the run is the positional model's exactly (the conjugate step, one round)."""
+    clients = _clients(y=Y_REAL)
+    runs = [fedppl.PVI(m, fedppl.PVIGuide(m, family="fullrank")).run(KEY, clients, 1,
+                                                                    progress_bar=False)
+            for m in (linear_regression, kw_linear)]
+    for a, b in zip(jax.tree.leaves(runs[0].factors), jax.tree.leaves(runs[1].factors),
+                    strict=True):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+    pred = runs[1].predictive(jax.random.key(1), X[:5], num_samples=3)["y"]
+    assert pred.shape == (3, 5)

@@ -73,9 +73,9 @@ print("largest gap in posterior sds:", np.max(np.abs(m_pvi - m_ref) / np.sqrt(np
 # %%
 samples = result.sample(jax.random.key(2), 1000)
 print({k: v.shape for k, v in samples.items()})
-try:
-    import arviz as az
+try:  # ArviZ 1.x: to_arviz() is an xarray.DataTree (draws of q as 4 chains)
+    import arviz_stats
 
-    print(az.summary(result.to_arviz(jax.random.key(3)), var_names=["w", "b"], kind="stats"))
+    print(arviz_stats.summary(result.to_arviz(jax.random.key(3)), var_names=["w", "b"]))
 except ImportError:
     print("pip install 'fedppl[arviz]' for the ArviZ summary")

@@ -119,7 +119,7 @@ def posterior(stats: Stats, noise: Array | float, prior_scale: Array | float) ->
 
 def predict(post: g.FullGaussian, features: Array, noise: Array | float) -> tuple[Array, Array]:
     """Predictive mean and variance (observation noise included) at ``features (n, D)``."""
-    chol = jnp.linalg.cholesky(post.prec)
+    chol = g.jittered_cholesky(post.prec)  # floored jitter: finite in float32 too (g.jitter_floor)
     mean = jsl.cho_solve((chol, True), post.nat1)
     half = jsl.solve_triangular(chol, features.T, lower=True)
     return features @ mean, jnp.sum(half**2, axis=0) + noise**2
@@ -129,7 +129,7 @@ def log_marginal_likelihood(stats: Stats, yy: Array, noise: Array, prior_scale: 
     """``log N(y | 0, sigma^2 I + lambda^2 Phi Phi^T)`` from the statistics and ``yy = y^T y``."""
     dim = stats.proj.shape[-1]
     A = stats.scatter / noise**2 + jnp.eye(dim) / prior_scale**2
-    chol = jnp.linalg.cholesky(A)
+    chol = g.jittered_cholesky(A)  # floored jitter: finite in float32 too (g.jitter_floor)
     half = jsl.solve_triangular(chol, stats.proj / noise**2, lower=True)
     return (-0.5 * stats.count * jnp.log(2 * jnp.pi * noise**2) - dim * jnp.log(prior_scale)
             - jnp.sum(jnp.log(jnp.diagonal(chol))) - 0.5 * (yy / noise**2 - half @ half))

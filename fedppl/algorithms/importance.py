@@ -11,8 +11,8 @@ sites (a client's random effects ``z_k``) ``l_k(theta) = log int p(y_k, z_k | th
 the client estimates at each ``theta`` by Laplace-importance sampling
 (:func:`laplace_log_marginal`). The server draws ``theta_s`` from a proposal, each client returns
 ``l_k(theta_s)`` for every draw (``S`` numbers, never a record), and the server forms
-``log w_s = log pi(theta_s) - log g(theta_s)``; Pareto-smoothed importance sampling (ArviZ's
-``psislw``) turns them into the diagnostic ``k-hat``, an effective sample size, and corrected
+``log w_s = log pi(theta_s) - log g(theta_s)``; Pareto-smoothed importance sampling (arviz-stats'
+PSIS) turns them into the diagnostic ``k-hat``, an effective sample size, and corrected
 moments. Every piece here is a pure function; :mod:`fedppl.infer.importance` is the front.
 
 Proposals are multivariate Student t's (``df = inf``: a Gaussian). Over several rounds the
@@ -215,20 +215,29 @@ def make_trio(log_lik: Callable) -> Trio:
 # -- the server's side (host, NumPy) --------------------------------------------------------------
 
 def psis(log_ratios: np.ndarray) -> tuple[np.ndarray, float]:
-    """Pareto-smoothed, normalised log weights and k-hat (ArviZ's ``psislw``) of raw log
-    importance ratios ``(N,)``; ``-inf`` ratios (zero likelihood) keep zero weight."""
-    from fedppl.arviz import _arviz
+    """Pareto-smoothed, normalised log weights and k-hat (arviz-stats' PSIS, Vehtari et al.,
+    2024) of raw log importance ratios ``(N,)``; ``-inf`` ratios (zero likelihood) keep zero
+    weight. Equal ratios (the proposal is the target) give equal weights and ``k = -inf``; too
+    few draws to fit a tail (under 25) or a tail of ties give the raw weights and ``k = inf``
+    (as ArviZ 0.x's ``psislw`` did)."""
+    from fedppl.arviz import arviz_stats
 
-    az = _arviz()
+    arviz_stats()  # the extra's error message if it is missing
+    from arviz_stats.base import array_stats
+
     lr = np.asarray(log_ratios, np.float64)
     finite = np.isfinite(lr)
     out = np.full(lr.shape, -np.inf)
     if not finite.any():
         return out, np.inf
-    if np.ptp(lr[finite]) < 1e-6:  # the proposal is the target, to rounding: equal weights
+    x = lr[finite] - lr[finite].max()
+    if np.ptp(x) < 1e-6:  # the proposal is the target, to rounding: equal weights
         out[finite] = -np.log(finite.sum())
         return out, -np.inf
-    lw, khat = az.psislw(lr[finite] - lr[finite].max(), reff=1.0)
+    try:  # arviz-stats smooths the right tail of -x (its input is a log-likelihood)
+        lw, khat = array_stats.psislw(-x, r_eff=1.0)
+    except ValueError:  # fewer than 5 tail draws, or all tied: no tail to fit
+        lw, khat = x - np.logaddexp.reduce(x), np.inf
     out[finite] = lw
     return out, float(khat)
 

@@ -34,7 +34,14 @@ import numpyro.distributions as dist
 from jax import Array
 
 from fedppl.families import gaussian as g
-from fedppl.sites import SiteLayout, classify, float_dtype, prior_correction, prior_factor
+from fedppl.sites import (
+    SiteLayout,
+    classify,
+    float_dtype,
+    positional,
+    prior_correction,
+    prior_factor,
+)
 
 __all__ = ["PVIGuide"]
 
@@ -74,7 +81,7 @@ class PVIGuide:
             raise ValueError(f"family must be one of {FAMILIES}, got {family!r}")
         if local not in LOCAL:
             raise ValueError(f"local must be one of {LOCAL}, got {local!r}")
-        self.model = model
+        self.model = positional(model)  # data arguments may be keyword-only
         self.global_sites = None if global_sites is None else tuple(global_sites)
         self.local_sites = None if local_sites is None else tuple(local_sites)
         self.family = family

@@ -80,6 +80,9 @@ class RNVGPGuide:
         self.config = (config or RandomisedConfig()).check()
 
     def __call__(self, X: Array, y: Array | None = None) -> None:
+        svgp.require_float64(X, "RNVGPGuide", "its randomised conjugate gradients stop at "
+                             "tolerances float32 cannot reach, so the unbiased estimates of the "
+                             "bound and its gradients are dominated by rounding")
         prior = points_prior(self.model, X)
         M = prior.event_shape[0]
         mu = numpyro.param("q_mu", jnp.zeros(M))

@@ -47,7 +47,7 @@ from jax import Array
 from numpyro.primitives import Messenger
 
 from fedppl.handlers._observed import observation
-from fedppl.sites import is_prior_factor
+from fedppl.sites import innermost, is_prior_factor
 
 __all__ = ["client"]
 
@@ -121,6 +121,14 @@ class client(Messenger):
                                                   else f.size == n)), None)
         if frame is None:
             which = f"named '{self.plate}'" if self.plate else f"of size {n}"
+            if n in innermost(msg["fn"]).event_shape:  # one likelihood over all the points
+                raise ValueError(
+                    f"observed site '{msg['name']}' is one distribution over all {n} data points "
+                    f"(event shape {tuple(msg['fn'].event_shape)}): it couples every data point, "
+                    "so it does not split over clients, and inside a data plate it would be "
+                    f"{n} copies of itself, another model. For a federated GP use the sparse "
+                    "GPs: fedppl.FederatedSGP or fedppl.FSGP"
+                )
             raise ValueError(
                 f"observed site '{msg['name']}' is not inside a plate {which}; put per-datum "
                 "observations inside `with numpyro.plate('data', X.shape[0]):` (or name the "

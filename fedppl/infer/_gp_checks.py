@@ -33,9 +33,11 @@ def regression_clients(clients: Any, binary: bool = False) -> Clients:
             raise ValueError(f"{who}: need (X of shape (N, D), y of shape (N,)); got "
                              f"{len(arrays)} arrays")
         X, y = (_numbers(f"{who}: {n}", a) for n, a in zip("Xy", arrays, strict=True))
-        if X.ndim != 2 or y.ndim != 1:
-            raise ValueError(f"{who}: need (X of shape (N, D), y of shape (N,)); got shapes "
-                             f"{X.shape} and {y.shape}")
+        validation.inputs_2d(X, who)
+        if y.ndim != 1:
+            hint = (": use y.reshape(-1) (fedppl does not guess which axis to drop)"
+                    if y.ndim == 2 and y.shape[1] == 1 else "")
+            raise ValueError(f"{who}: need y of shape (N,), got {y.shape}{hint}")
         if X.shape[1] == 0:
             raise ValueError(f"{who}: X has no features (shape {X.shape})")
         if binary:
@@ -58,7 +60,8 @@ def check_inputs(X: Any, dim: int, name: str = "X") -> np.ndarray:
     """Test inputs of shape ``(n, dim)``, finite, as float64."""
     arr = _numbers(name, X)
     if arr.ndim != 2 or arr.shape[1] != dim:
-        raise ValueError(f"{name} must have shape (n, {dim}), got {arr.shape}")
+        hint = f": use {name}[:, None] for one feature" if arr.ndim == 1 and dim == 1 else ""
+        raise ValueError(f"{name} must have shape (n, {dim}), got {arr.shape}{hint}")
     return arr
 
 
@@ -66,7 +69,8 @@ def check_targets(y: Any, n: int, name: str = "y") -> np.ndarray:
     """Test targets of shape ``(n,)``, finite, as float64."""
     arr = _numbers(name, y)
     if arr.shape != (n,):
-        raise ValueError(f"{name} must have shape ({n},), got {arr.shape}")
+        hint = f": use {name}.reshape(-1)" if arr.shape == (n, 1) else ""
+        raise ValueError(f"{name} must have shape ({n},), got {arr.shape}{hint}")
     return arr
 
 
@@ -81,17 +85,15 @@ def converged_round(values: Any, rel_tol: float = 0.01) -> int | None:
 
 def inference_data(posterior: dict[str, Any], constant: dict[str, Any],
                    attrs: dict[str, Any]) -> Any:
-    """An ``arviz.InferenceData`` of posterior draws (one chain; ``(draw, ...)`` arrays) and
-    constant data, with ``attrs`` on the posterior group (or on the constant data)."""
-    try:
-        import arviz as az
-    except ImportError as e:  # pragma: no cover - depends on the environment
-        raise ImportError("ArviZ export needs the arviz extra: pip install 'fedppl[arviz]'") from e
+    """An ``xarray.DataTree`` for ArviZ 1.x of posterior draws (``(S, ...)`` arrays of
+    independent draws, exported as 4 chains) and constant data, with ``attrs`` on the posterior
+    group (or on the constant data)."""
+    from fedppl import arviz
+
     dims = {k: [f"{k}_dim_{i}" for i in range(np.ndim(v) - 1)] for k, v in posterior.items()}
     dims.update({k: [f"{k}_dim_{i}" for i in range(np.ndim(v))] for k, v in constant.items()})
-    idata = az.from_dict(posterior={k: np.asarray(v)[None] for k, v in posterior.items()} or None,
-                         constant_data={k: np.asarray(v) for k, v in constant.items()} or None,
-                         dims=dims)
-    group = idata.posterior if posterior else idata.constant_data
-    group.attrs.update({k: v for k, v in attrs.items() if v is not None})
-    return idata
+    group = "posterior" if posterior else "constant_data"
+    return arviz.from_dict(
+        {"posterior": {k: arviz.as_chains(v) for k, v in posterior.items()},
+         "constant_data": constant},
+        dims=dims, attrs={group: {k: v for k, v in attrs.items() if v is not None}})

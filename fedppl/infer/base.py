@@ -7,7 +7,13 @@ A method is an object built from its model and settings. It turns the clients' d
 * ``init(rng_key, clients) -> RunState`` (a NamedTuple: server and client states, the stacked
   data, the key, the round);
 * ``update(state) -> (state, info)``: one round; ``info`` is that round's row of the history;
-* ``run(rng_key, clients, num_rounds, *, progress_bar=True) -> result``.
+* ``run(rng_key, clients, num_rounds, *, progress_bar=True, tol=None) -> result``.
+
+Every ``run`` shows a progress bar on stderr (``progress_bar=False``: none) with a quantity
+the method has (``FederatedMethod.progress``). ``tol`` is a ``run`` argument wherever a method
+stops early by it (PVI, GlobalVI, EP: ``KL(q_new || q_old) <= tol``; FederatedSGP, FSGP,
+PFedMul: the objective's relative change ``<= tol``); a run that stops before ``num_rounds``
+writes one line naming the round and the criterion, and keeps it as ``result.stopped``.
 
 Every result derives from :class:`Result`: ``.history`` maps the same keys wherever they apply
 (``round``, ``seconds``, ``messages_up``/``messages_down``, ``bytes_up``/``bytes_down``,
@@ -34,18 +40,19 @@ from __future__ import annotations
 import json
 import operator
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any, NamedTuple
+from typing import Any, ClassVar, NamedTuple
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 from jax import Array
-from tqdm.auto import tqdm
 
 from fedppl import validation
 from fedppl.algorithms.trio import Trio
 from fedppl.clients import Clients
+from fedppl.infer.round_log import Progress
 from fedppl.runtime.embedded import make_round
 
 __all__ = ["RunState", "Result", "FederatedMethod", "COMMON_HISTORY", "num_bytes"]
@@ -74,11 +81,14 @@ def num_bytes(tree: Any) -> int:
 @dataclass(kw_only=True)
 class Result:
     """What every method's ``run`` returns: per-round ``history`` (arrays, one row per round),
-    the clients' names, and ``rejected``: ``(round, client, reason)`` for each refused update."""
+    the clients' names, ``rejected``: ``(round, client, reason)`` for each refused update, and
+    ``stopped``: why the run ended before its ``num_rounds`` (``tol`` met, a method's own
+    stopping rule), or None."""
 
     history: dict[str, np.ndarray]
     client_names: tuple[str, ...] = ()
     rejected: list[tuple[int, str, str]] = field(default_factory=list)
+    stopped: str | None = None
 
     @property
     def num_rounds(self) -> int:
@@ -159,7 +169,10 @@ class FederatedMethod:
     * ``_result(state, history, rejected) -> Result``;
 
     and may override ``_round_inputs`` (keys and participants), ``_message_bytes`` and
-    ``_broadcast_bytes`` (what a message and the server's broadcast cost on the wire).
+    ``_broadcast_bytes`` (what a message and the server's broadcast cost on the wire),
+    ``progress`` (the history keys its bar shows) and ``tol_objective`` (the history key whose
+    relative change ``run(..., tol=)`` stops on; None: the method takes no ``tol``) or
+    ``_tol_rule``.
     """
 
     name = "method"
@@ -172,6 +185,11 @@ class FederatedMethod:
     data_at_server = True
     clients_per_round: int | None = None
     refusal = "update not accepted"
+    # what the progress bar shows: history keys ("name:max" / "name:mean" reduce a per-client
+    # array), those finite in a round (see fedppl.infer.round_log.postfix)
+    progress: ClassVar[tuple[str, ...]] = ("elbo", "bound", "free_energy")
+    # the scalar history entry whose relative change run(..., tol=) stops on (None: no tol)
+    tol_objective: ClassVar[str | None] = None
 
     # -- what a subclass provides --------------------------------------------------------------
 
@@ -221,6 +239,7 @@ class FederatedMethod:
             raise TypeError(f"clients must be a fedppl.Clients (see fedppl.partition), got "
                             f"{type(clients).__name__}")
         rng_key = validation.rng_key(rng_key)
+        self._check_clients_per_round(clients.num_clients)
         rng_key, k_setup = jax.random.split(rng_key)
         trio, schedule, server, cstates = self._setup(k_setup, clients, **kwargs)
         if self.runtime is not None:  # a deployment's rounds (fedppl.runtime.flower)
@@ -232,6 +251,13 @@ class FederatedMethod:
             self._round_fn = cache[(trio, schedule)]
         self._names = clients.names
         return RunState(server, cstates, clients.stacked, clients.mask, rng_key, 0)
+
+    def _check_clients_per_round(self, num_clients: int) -> None:
+        """``clients_per_round`` no larger than the number of clients (known at ``init``)."""
+        m = self.clients_per_round
+        if m is not None and m > num_clients:
+            raise ValueError(f"clients_per_round={m} exceeds the number of clients "
+                             f"({num_clients}); give at most {num_clients}, or None for all")
 
     def update(self, state: RunState) -> tuple[RunState, dict[str, Any]]:
         """One round: every taking part client's update, then the server's."""
@@ -268,31 +294,75 @@ class FederatedMethod:
                                              state.masks, keys, active, server_key)
 
     def run(self, rng_key: Array, clients: Clients, num_rounds: int, *,
-            progress_bar: bool = True, **kwargs: Any) -> Result:
-        """``init``, then ``num_rounds`` calls of ``update``; returns the method's result."""
+            progress_bar: bool = True, tol: float | None = None, **kwargs: Any) -> Result:
+        """``init``, then up to ``num_rounds`` calls of ``update`` (fewer once ``tol`` is met,
+        where the method takes one); returns the method's result."""
         num_rounds = check_rounds(num_rounds)
+        stop = self._tol_rule(check_tol(tol, self.name, self.tol_objective is not None))
         state = self.init(rng_key, clients, **kwargs)
-        return self._loop(state, num_rounds, progress_bar)
+        return self._loop(state, num_rounds, progress_bar, stop)
+
+    def _tol_rule(self, tol: float | None) -> StopRule | None:
+        """``run(..., tol=)``'s rule: the relative change of ``tol_objective`` between two
+        rounds at most ``tol`` (a NaN never stops)."""
+        key = self.tol_objective
+        if tol is None or key is None:
+            return None
+
+        def rule(rows: list[dict[str, Any]]) -> str | None:
+            if len(rows) < 2:
+                return None
+            new, old = float(rows[-1][key]), float(rows[-2][key])
+            change = abs(new - old) / max(abs(old), 1e-300)
+            return (f"relative change of {key} {change:.3g} <= tol {tol:g}" if change <= tol
+                    else None)
+
+        return rule
 
     def _loop(self, state: RunState, num_rounds: int, progress_bar: bool,
-              stop=None) -> Result:
+              stop: StopRule | None = None) -> Result:
         rows: list[dict[str, Any]] = []
         rejected: list[tuple[int, str, str]] = []
-        bar = tqdm(range(num_rounds), desc=f"{self.name} ({self.schedule})",
-                   disable=not progress_bar, leave=False)
-        for _ in bar:
-            state, info = self.update(state)
-            rows.append(info)
-            rejected += [(info["round"], who, self.refusal) for who in self._refused_now]
-            bar.set_postfix({k: f"{info[k]:.4g}" for k in ("elbo", "bound", "free_energy")
-                             if np.ndim(info.get(k)) == 0 and k in info})
-            if stop is not None and stop(info):
-                break
+        bar = Progress(f"{self.name} ({self.schedule})", num_rounds, self.progress,
+                       progress_bar)
+        why = None
+        try:
+            for _ in range(num_rounds):
+                state, info = self.update(state)
+                rows.append(info)
+                rejected += [(info["round"], who, self.refusal) for who in self._refused_now]
+                bar.update(info)
+                why = None if stop is None else stop(rows)
+                if why:
+                    break
+        finally:
+            early = why if why and len(rows) < num_rounds else None
+            bar.close(early)
         history = {k: np.asarray([r[k] for r in rows]) for k in rows[0]}
-        return self._result(state, history, rejected)
+        result = self._result(state, history, rejected)
+        result.stopped = early
+        return result
+
+
+# a run's stopping rule: the history rows so far -> why it stops now (None: go on)
+StopRule = Callable[[list[dict[str, Any]]], "str | None"]
 
 
 def check_rounds(num_rounds: Any, name: str = "num_rounds") -> int:
     """A positive whole number of rounds (a clear error for 0, -2, 2.5 or \"3\")."""
     return validation.positive_int(num_rounds, name)
+
+
+def check_tol(tol: Any, method: str, supported: bool = True) -> float | None:
+    """``run``'s ``tol``: None, or a positive finite number for a method that stops by it."""
+    if tol is None:
+        return None
+    if not supported:
+        raise TypeError(f"{method} has no early stopping by tol (it runs the rounds it is "
+                        f"given); leave tol out")
+    if isinstance(tol, bool) or not isinstance(tol, (int, float, np.integer, np.floating)):
+        raise TypeError(f"tol must be a number, got {tol!r}")
+    if not tol > 0:  # the Pyro port's words (tests/pyro/test_bad_input.py)
+        raise ValueError(f"tol must be positive, got {tol}")
+    return float(tol)
 

@@ -50,7 +50,7 @@ from __future__ import annotations
 import math
 import warnings
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, ClassVar
 
 import jax
 import jax.numpy as jnp
@@ -137,24 +137,24 @@ class FedBNRResult(Result):
 
     def to_arviz(self, rng_key: Array | None = None, num_samples: int = 1000,
                  last_layer: str | None = None):
-        """Draws of the last-layer weights ``w`` (dims ``model, feature``) from each model's
-        exact posterior, each model's noise and prior scale as constant data, and the run's
-        summary as attributes (needs ``pip install fedppl[arviz]``)."""
-        from fedppl.arviz import _arviz
+        """Draws of the last-layer weights ``w`` (dims ``regressor, feature``: one regressor
+        per model, not ``model``, which ArviZ 1.x's plots read as models to compare) from each
+        model's exact posterior (``num_samples`` as 4 chains), each model's noise and prior
+        scale as constant data, and the run's summary as attributes: an ``xarray.DataTree``
+        for ArviZ 1.x (needs ``pip install 'fedppl[arviz]'``)."""
+        from fedppl import arviz
 
-        check_rounds(num_samples, "num_samples")
+        num_samples = arviz.check_num_samples(num_samples)
         kernels, post = self.models(last_layer)
         key = jax.random.key(0) if rng_key is None else rng_key
         keys = jax.random.split(key, post.nat1.shape[0])
         draws = jax.vmap(lambda k, p: g.sample(k, p, num_samples), out_axes=1)(keys, post)
-        idata = _arviz().from_dict(
-            posterior={"w": np.asarray(draws)[None]},
-            constant_data={"noise": np.asarray(kernels.noise),
-                           "prior_scale": np.asarray(kernels.prior_scale)},
-            dims={"w": ["model", "feature"], "noise": ["model"], "prior_scale": ["model"]})
-        for k, v in self.summary().items():
-            idata.posterior.attrs[k] = "None" if v is None else v
-        return idata
+        return arviz.from_dict(
+            {"posterior": {"w": arviz.as_chains(draws)},
+             "constant_data": {"noise": kernels.noise, "prior_scale": kernels.prior_scale}},
+            dims={"w": ["regressor", "feature"], "noise": ["regressor"],
+                  "prior_scale": ["regressor"]},
+            attrs={"posterior": self.summary()})
 
 
 @jax.jit
@@ -188,6 +188,8 @@ class FedBNR(FederatedMethod):
     """
 
     name = "FedBNR"
+    # the bar: the clients' summed log marginal likelihood, the validation RMSE, the phase
+    progress: ClassVar[tuple[str, ...]] = ("elbo", "val_rmse", "phase", "epsilon:max")
 
     def __init__(self, spec: URKSpec, kernel: str = "avg", last_layer: str = "global", *,
                  optimizer: optax.GradientTransformation | None = None, local_steps: int = 50,
@@ -285,6 +287,7 @@ class FedBNR(FederatedMethod):
             warnings.warn("no evaluation gave finite statistics: the result holds the initial "
                           "kernels and the prior as last layer", RuntimeWarning, stacklevel=3)
         stopped = bool(srv.done) and int(srv.stale) >= self.patience
+        _warn_not_finite((srv.best, srv.last_layer))
         return FedBNRResult(history=history, client_names=self._names, rejected=rejected,
                             spec=self.spec, kernel=self.kernel, last_layer=self.last_layer,
                             kernels=srv.best, layers=srv.last_layer, omega=srv.omega,
@@ -357,10 +360,31 @@ class FedBNR(FederatedMethod):
         num_rounds = check_rounds(num_rounds)
         state = self.init(rng_key, clients, validation=validation, kd_data=kd_data,
                           num_rounds=num_rounds)
-        return self._loop(state, num_rounds, progress_bar, stop=lambda info: info["phase"] == 2)
+        return self._loop(state, num_rounds, progress_bar, stop=self._phase_two)
+
+    def _phase_two(self, rows: list[dict[str, Any]]) -> str | None:
+        """The run's own early stopping: phase 1 over, the last layer formed."""
+        if rows[-1]["phase"] != 2:
+            return None
+        return (f"early stopping: the validation RMSE did not improve in {self.patience} "
+                f"evaluations (every {self.eval_every} rounds); the last layer was formed")
 
 
 # -- checks: every argument and array before any compiled code runs --------------------------
+
+
+def _warn_not_finite(tree: Any) -> None:
+    """A kernel or last layer that is not finite is said, never returned silently (NaN
+    predictions surface much later, in a metric or a plot)."""
+    leaves = [np.asarray(x) for x in jax.tree_util.tree_leaves(tree)]
+    if all(np.all(np.isfinite(x)) for x in leaves if np.issubdtype(x.dtype, np.floating)):
+        return
+    dtype = jnp.result_type(float)
+    hint = ("; this run computed in float32: numpyro.enable_x64() runs it in float64"
+            if dtype == jnp.float32 else "")
+    warnings.warn(f"FedBNR's kernels or last layer are not finite: its predictions will be NaN "
+                  f"(a learning rate too large for the data, or data not standardised){hint}",
+                  RuntimeWarning, stacklevel=4)
 
 
 def _first(tree: Any) -> Any:

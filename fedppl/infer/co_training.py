@@ -47,7 +47,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, ClassVar
 
 import jax
 import jax.numpy as jnp
@@ -129,40 +129,45 @@ class CoTrainingResult(Result):
                    epsilon=self.epsilon)
         return out
 
-    def to_arviz(self):
-        """Predictive summaries as an ``arviz.InferenceData``: group ``predictions`` holds each
-        party's predictive ``mean`` and ``sd`` (latent) at its test inputs (at the pool without
-        test data), dims ``(client, point)``; ``constant_data`` its fitted hyperparameters, the
-        pool points it queried, and ``y_test``. There is no posterior over named sites."""
-        try:
-            import arviz as az
-            import xarray as xr
-        except ImportError as e:  # pragma: no cover - depends on the environment
-            raise ImportError("ArviZ export needs the arviz extra: pip install "
-                              "'fedppl[arviz]'") from e
+    def to_arviz(self, rng_key: Array | None = None, num_samples: int = 1000):
+        """An ``xarray.DataTree`` for ArviZ 1.x. Group ``posterior`` holds ``f`` (dims
+        ``client, point``): ``num_samples`` draws (4 chains) of each party's posterior over the
+        latent function at its test inputs (at the pool without test data), drawn from its
+        predictive marginals, point by point (correlations between points are not kept); group
+        ``predictions`` those marginals' ``mean`` and ``sd`` (no sample dimensions);
+        ``constant_data`` each party's fitted hyperparameters, the pool points it queried, and
+        ``y_test``. Needs ``pip install 'fedppl[arviz]'``."""
+        import xarray as xr
+
+        from fedppl import arviz
+
+        num_samples = arviz.check_num_samples(num_samples)
+        key = jax.random.key(0) if rng_key is None else rng_key
         K = len(self.parties)
         points = self.test[0] if self.test is not None else [p.pool for p in self.parties]
-        mean, var = zip(*(self.predict(k, points[k]) for k in range(K)), strict=True)
+        mean, var = (np.stack(a) for a in zip(*(self.predict(k, points[k]) for k in range(K)),
+                                               strict=True))
+        sd = np.sqrt(var)
+        f = mean + sd * np.asarray(jax.random.normal(key, (num_samples, *mean.shape)))
         params = [p.params for p in self.parties]
         coords = {"client": list(self.client_names)}
-        predictions = xr.Dataset({"mean": (("client", "point"), np.stack(mean)),
-                                  "sd": (("client", "point"), np.sqrt(np.stack(var)))},
-                                 coords=coords)
-        constant = {
-            "lengthscale": (("client", "feature"),
-                            np.exp(np.stack([p.log_lengthscale for p in params]))),
-            "variance": ("client", np.exp([float(p.log_variance) for p in params])),
-            "noise": ("client", np.exp([float(p.log_noise) for p in params])),
-            "queried": (("client", "round"), np.array([self.queried(k) for k in range(K)])),
-        }
+        constant = {"lengthscale": np.exp(np.stack([p.log_lengthscale for p in params])),
+                    "variance": np.exp([float(p.log_variance) for p in params]),
+                    "noise": np.exp([float(p.log_noise) for p in params]),
+                    "queried": np.array([self.queried(k) for k in range(K)])}
+        dims = {"f": ["client", "point"], "lengthscale": ["client", "feature"],
+                "variance": ["client"], "noise": ["client"], "queried": ["client", "round"],
+                "y_test": ["point"]}
         if self.test is not None:
-            constant["y_test"] = ("point", self.test[1])
-        idata = az.InferenceData(predictions=predictions,
-                                 constant_data=xr.Dataset(constant, coords=coords))
-        idata.predictions.attrs.update(combination=self.settings.combination,
-                                       uncertainty=self.settings.uncertainty,
-                                       num_rounds=self.num_rounds)
-        return idata
+            constant["y_test"] = np.asarray(self.test[1])
+        attrs = {"combination": self.settings.combination,
+                 "uncertainty": self.settings.uncertainty, "num_rounds": self.num_rounds}
+        dt = arviz.from_dict({"posterior": {"f": arviz.as_chains(f)}, "constant_data": constant},
+                             coords=coords, dims=dims, attrs={"posterior": attrs})
+        dt["predictions"] = xr.Dataset({"mean": (("client", "point"), mean),
+                                        "sd": (("client", "point"), sd)},
+                                       coords=coords, attrs=attrs)
+        return dt
 
 
 class CoTraining(FederatedMethod):
@@ -185,6 +190,8 @@ class CoTraining(FederatedMethod):
     """
 
     name = "CoTraining"
+    # the bar: the parties' mean test RMSE (given test data), the largest epsilon (with dp)
+    progress: ClassVar[tuple[str, ...]] = ("rmse:mean", "epsilon:max")
     schedule = "loop"
 
     def __init__(self, combination: str = "noisy", uncertainty: str = "full",

@@ -26,6 +26,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, fields
 from typing import Any, ClassVar, cast
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 from jax import Array
@@ -34,6 +35,7 @@ from fedppl.algorithms import conjugate, ep, pvi
 from fedppl.clients import Clients
 from fedppl.guides.pvi_guide import PVIGuide
 from fedppl.handlers.client import client
+from fedppl.infer.base import RunState
 from fedppl.infer.variational import PVI, PVIResult, check_clients
 from fedppl.runtime.embedded import SCHEDULES
 
@@ -88,7 +90,9 @@ class EP(PVI):
     :param schedule: ``"synchronous"`` (default: every client's sampler in one compiled round,
         vmapped over clients), ``"sequential"`` or ``"loop"``.
     :param damping: ``rho`` in (0, 1]; a function of the server's round counter (from 0) that
-        JAX can trace, such as :func:`fedppl.algorithms.ep.decaying_damping`; or
+        JAX can trace, such as :func:`fedppl.algorithms.ep.decaying_damping` (``run`` checks
+        its value at every round it will run, and ``update`` each round's before applying it:
+        a value outside (0, 1] is an error naming the round); or
         ``"decaying"`` (default): ep-stan's schedule, from 0.5 towards ``min(1 / K, 0.2)`` for ``K``
         clients (rate 0.8 per round); with ``estimator="stein"`` from 0.5 towards 0.1 (rate 0.9)
         whatever ``K``, since each site's noise shrinks with the site. The Monte Carlo noise of
@@ -131,6 +135,8 @@ class EP(PVI):
     """
 
     name = "EP"
+    # the bar: how far q moved and the largest change of a client's site (its message)
+    progress: ClassVar[tuple[str, ...]] = ("elbo", "kl_change", "site_change:max")
 
     def __init__(self, model: Callable, guide: PVIGuide, schedule: str = "synchronous",
                  damping: float | str | Callable[[Array], Array] = "decaying", *,
@@ -240,3 +246,45 @@ class EP(PVI):
     def _result(self, state, history, rejected) -> EPResult:
         res = super()._result(state, history, rejected)
         return EPResult(**{f.name: getattr(res, f.name) for f in fields(res)})
+
+    # -- the damping schedule, checked before it is applied ------------------------------------
+
+    def _updates_per_round(self, num_clients: int) -> int:
+        """Server updates (steps of the damping schedule's counter) in one round."""
+        if self.schedule != "sequential":
+            return 1
+        m = self.clients_per_round
+        return num_clients if m is None else min(m, num_clients)
+
+    @staticmethod
+    def _check_damping(rho: Any, start: int, num_rounds: int, per_round: int,
+                       first_round: int) -> None:
+        """A callable damping in (0, 1] at the server's counters ``start, start + 1, ...`` of
+        ``num_rounds`` rounds (``per_round`` counters each, the first being round
+        ``first_round + 1``), or a ``ValueError`` naming the first round that leaves it."""
+        if not callable(rho):
+            return
+        counters = jnp.arange(start, start + num_rounds * per_round)
+        values = np.asarray(jax.vmap(rho)(counters), dtype=float).reshape(-1)
+        bad = np.nonzero(~((values > 0) & (values <= 1)))[0]
+        if bad.size:
+            i = int(bad[0])
+            raise ValueError(f"damping must be in (0, 1] at every round: the schedule gives "
+                             f"{values[i]:.6g} at round {first_round + 1 + i // per_round} "
+                             f"(the server's counter {start + i})")
+
+    def run(self, rng_key: Array, clients: Clients, num_rounds: int, **kwargs: Any
+            ) -> EPResult:
+        """As :meth:`fedppl.PVI.run`; a damping function is checked at every round first."""
+        if callable(self.ep_damping) and isinstance(clients, Clients):
+            rounds = num_rounds if isinstance(num_rounds, int) and num_rounds > 0 else 0
+            self._check_damping(self.ep_damping, 0, rounds,
+                                self._updates_per_round(clients.num_clients), 0)
+        return cast(EPResult, super().run(rng_key, clients, num_rounds, **kwargs))
+
+    def update(self, state: RunState) -> tuple[RunState, dict[str, Any]]:
+        """One round, its damping checked before it is applied."""
+        if callable(self._rho):
+            per_round = self._updates_per_round(int(state.masks.shape[0]))
+            self._check_damping(self._rho, int(state.server.round), 1, per_round, state.round)
+        return super().update(state)

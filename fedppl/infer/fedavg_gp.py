@@ -36,7 +36,7 @@ from __future__ import annotations
 
 import warnings
 from dataclasses import dataclass, field
-from typing import Any, NamedTuple
+from typing import Any, ClassVar, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -155,12 +155,14 @@ class FSGPResult(Result):
 
     def to_arviz(self, rng_key: Array | None = None, num_samples: int = 1000):
         """Draws of the inducing outputs ``u = f(Z)`` from Titsias' optimal q(u) given the
-        aggregated statistics; the trained hyperparameters and ``Z`` as constant data. Needs
-        ``pip install fedppl[arviz]``."""
+        aggregated statistics; the trained hyperparameters and ``Z`` as constant data, as an
+        ``xarray.DataTree`` for ArviZ 1.x (``num_samples`` draws as 4 chains). Needs
+        ``pip install 'fedppl[arviz]'``."""
+        from fedppl.arviz import check_num_samples
+
         key = jax.random.key(0) if rng_key is None else rng_key
         mean, cov = alg.inducing_posterior(self.params, self.stats, self.jitter)
-        u = jax.random.multivariate_normal(key, mean, cov,
-                                           (check.positive_int(num_samples, "num_samples"),))
+        u = jax.random.multivariate_normal(key, mean, cov, (check_num_samples(num_samples),))
         h = self.params.hyper
         constant = {"lengthscale": h.lengthscale, "variance": h.variance, "noise": h.noise,
                     "Z": self.params.inducing}
@@ -180,6 +182,10 @@ class FSGP(FederatedMethod):
     """
 
     name = "FSGP"
+    # the bar: the clients' summed collapsed bound; run(..., tol=) ends the FedAvg phase once
+    # its relative change is at most tol
+    progress: ClassVar[tuple[str, ...]] = ("bound",)
+    tol_objective: ClassVar[str | None] = "bound"
     schedule = "synchronous"
     refusal = "non-finite parameters"
 

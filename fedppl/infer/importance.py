@@ -36,13 +36,12 @@ import warnings
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from functools import partial
-from typing import Any, NamedTuple
+from typing import Any, ClassVar, NamedTuple
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 from jax import Array
-from tqdm.auto import tqdm
 
 from fedppl import validation
 from fedppl.algorithms import importance as imp
@@ -50,7 +49,9 @@ from fedppl.clients import Clients
 from fedppl.families import gaussian as g
 from fedppl.guides.pvi_guide import PVIGuide
 from fedppl.infer.base import Result, check_rounds
+from fedppl.infer.round_log import Progress
 from fedppl.runtime.embedded import make_round
+from fedppl.sites import positional
 
 __all__ = ["Importance", "ImportanceResult", "ImportanceState", "khat_threshold"]
 
@@ -137,13 +138,14 @@ class ImportanceResult(Result):
         return self.guide._require_setup().constrain(jnp.asarray(self.draws[idx]))
 
     def loo(self):
-        """Leave-one-client-out cross-validation as an ``arviz.ELPDData`` (``az.compare``
-        takes it): ``loo_i`` is each client's ``log p(y_k | y_-k)``, ``pareto_k`` its k-hat."""
-        from fedppl.arviz import _arviz
-
-        az = _arviz()
+        """Leave-one-client-out cross-validation as an ``arviz_stats.ELPDData``
+        (``arviz_stats.compare`` takes it): ``elpd_i`` is each client's ``log p(y_k | y_-k)``
+        (dimension ``client``), ``pareto_k`` its k-hat."""
         import xarray as xr
 
+        from fedppl.arviz import arviz_stats
+
+        elpd_data = arviz_stats().ELPDData
         elpd_i, khat = imp.leave_one_out(self.log_ratios, self.log_lik)
         lppd_i = np.asarray([float(jax.scipy.special.logsumexp(jnp.asarray(self.log_weights + ll)))
                              for ll in self.log_lik])
@@ -155,15 +157,14 @@ class ImportanceResult(Result):
                           f"{[names[k] for k in np.nonzero(bad)[0]]} (k-hat above "
                           f"{self.threshold:.2f}): refit without those clients to compare models",
                           UserWarning, stacklevel=2)
-        return az.ELPDData(
-            data=[float(elpd_i.sum()), float(np.sqrt(K * np.var(elpd_i))),
-                  float(lppd_i.sum() - elpd_i.sum()), n, K, bool(bad.any()),
-                  xr.DataArray(elpd_i, dims=["client"], coords={"client": names},
-                               name="loo_i"),
-                  xr.DataArray(khat, dims=["client"], coords={"client": names}), "log",
-                  self.threshold],
-            index=["elpd_loo", "se", "p_loo", "n_samples", "n_data_points", "warning", "loo_i",
-                   "pareto_k", "scale", "good_k"])
+        return elpd_data(
+            kind="loo", elpd=float(elpd_i.sum()), se=float(np.sqrt(K * np.var(elpd_i))),
+            p=float(lppd_i.sum() - elpd_i.sum()), n_samples=n, n_data_points=K, scale="log",
+            warning=bool(bad.any()), good_k=self.threshold,
+            elpd_i=xr.DataArray(elpd_i, dims=["client"], coords={"client": names},
+                                name="elpd_i"),
+            pareto_k=xr.DataArray(khat, dims=["client"], coords={"client": names},
+                                  name="pareto_k"))
 
     def summary(self) -> dict[str, Any]:
         out = super().summary()
@@ -171,23 +172,22 @@ class ImportanceResult(Result):
         return out
 
     def to_arviz(self, rng_key: Array | None = None, num_samples: int = 1000):
-        """``arviz.InferenceData``: resampled posterior draws (one chain), the clients'
-        log-likelihoods at them (group ``log_likelihood``, variable ``clients``, dimension
-        ``client``: ``az.loo`` over clients), and ``khat``/``ess`` as attributes."""
-        from fedppl.arviz import _arviz
+        """An ``xarray.DataTree`` for ArviZ 1.x: ``num_samples`` draws resampled by the
+        weights (4 chains), the clients' log-likelihoods at them (group ``log_likelihood``,
+        variable ``clients``, dimension ``client``: ``arviz_stats.loo`` over clients), and
+        ``khat``/``ess`` as attributes."""
+        from fedppl import arviz
 
-        az = _arviz()
+        num_samples = arviz.check_num_samples(num_samples)
         key = jax.random.key(0) if rng_key is None else rng_key
         idx = imp.resample(key, self.log_weights, num_samples)
         draws = self.guide._require_setup().constrain(jnp.asarray(self.draws[idx]))
-        post = {k: np.asarray(v)[None] for k, v in draws.items()}
-        ll = {"clients": self.log_lik[:, idx].T[None]}
-        idata = az.from_dict(posterior=post, log_likelihood=ll,
-                             coords={"client": list(self.client_names)},
-                             dims={"clients": ["client"]})
-        idata.posterior.attrs.update(khat=self.khat, ess=self.ess, num_draws=len(self.draws),
-                                     reliable=int(self.reliable))
-        return idata
+        return arviz.from_dict(
+            {"posterior": {k: arviz.as_chains(v) for k, v in draws.items()},
+             "log_likelihood": {"clients": arviz.as_chains(self.log_lik[:, idx].T)}},
+            coords={"client": list(self.client_names)}, dims={"clients": ["client"]},
+            attrs={"posterior": {"khat": self.khat, "ess": self.ess,
+                                 "num_draws": len(self.draws), "reliable": int(self.reliable)}})
 
 
 class Importance:
@@ -224,6 +224,7 @@ class Importance:
     """
 
     name = "Importance"
+    progress: ClassVar[tuple[str, ...]] = ("khat", "ess")  # the bar: the weights' k-hat and ESS
 
     def __init__(self, model: Callable, guide: PVIGuide, start: g.Gaussian, *,
                  num_draws: int = 1000, first_df: float = np.inf, df: float = 7.0,
@@ -241,7 +242,7 @@ class Importance:
         local_draws = validation.positive_int(local_draws, "local_draws")
         if local_draws % 2:
             raise ValueError(f"local_draws must be even (antithetic pairs), got {local_draws}")
-        self.model, self.guide, self.start = model, guide, start
+        self.model, self.guide, self.start = positional(model), guide, start
         self.num_draws, self.local_draws = num_draws, local_draws
         self.first_df, self.df = float(first_df), float(df)
         self.newton_steps = validation.positive_int(newton_steps, "newton_steps")
@@ -342,15 +343,22 @@ class Importance:
         num_rounds = check_rounds(num_rounds)
         state = self.init(rng_key, clients, local, **model_kwargs)
         rows = []
-        bar = tqdm(range(num_rounds), desc=self.name, disable=not progress_bar)
-        for _ in bar:
-            state, info = self.update(state)
-            rows.append(info)
-            bar.set_postfix(khat=f"{info['khat']:.2f}", ess=f"{info['ess']:.0f}")
-            if info["khat"] < self.khat_target and info["ess"] >= self.ess_target:
-                break
-        bar.close()
+        bar = Progress(self.name, num_rounds, self.progress, progress_bar)
+        why = None
+        try:
+            for _ in range(num_rounds):
+                state, info = self.update(state)
+                rows.append(info)
+                bar.update(info)
+                if info["khat"] < self.khat_target and info["ess"] >= self.ess_target:
+                    why = (f"k-hat {info['khat']:.2f} < khat_target {self.khat_target:g} and "
+                           f"ESS {info['ess']:.0f} >= ess_target {self.ess_target:g}")
+                    break
+        finally:
+            early = why if len(rows) < num_rounds else None
+            bar.close(early)
         result = self.result(state, {k: np.asarray([r[k] for r in rows]) for k in rows[0]})
+        result.stopped = early
         if warn and not result.reliable:
             warnings.warn(_advice(result, num_rounds), UserWarning, stacklevel=2)
         if warn and result.local_sd > LOCAL_SD:

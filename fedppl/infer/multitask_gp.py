@@ -27,7 +27,7 @@ from __future__ import annotations
 import warnings
 from dataclasses import dataclass
 from functools import partial
-from typing import Any
+from typing import Any, ClassVar
 
 import jax
 import jax.numpy as jnp
@@ -89,18 +89,19 @@ class PFedMulResult(Result):
         return out
 
     def to_arviz(self, rng_key: Array | None = None, num_samples: int = 500):
-        """An ``arviz.InferenceData``: draws of every client's inducing outputs ``u_b`` (the
-        model's sites, dims ``client, inducing``) in ``posterior``; the latent means and
-        variances at each client's own rows (NaN on padding) in ``predictions``; inducing
-        inputs, task labels and the global and personal hyperparameters in ``constant_data``."""
-        from fedppl.arviz import _arviz
+        """An ``xarray.DataTree`` for ArviZ 1.x: draws of every client's inducing outputs
+        ``u_b`` (the model's sites, dims ``client, inducing``; ``num_samples`` draws as 4
+        chains) in ``posterior``; the latent means and variances at each client's own rows (NaN
+        on padding) in ``predictions``; inducing inputs, task labels and the global and
+        personal hyperparameters in ``constant_data``."""
+        from fedppl import arviz
 
-        az = _arviz()
+        num_samples = arviz.check_num_samples(num_samples)
         rng_key = jax.random.PRNGKey(0) if rng_key is None else rng_key
         K, B = self.masks.shape[0], self.spec.num_latent
         u = _draw_u(rng_key, self.clients.q, num_samples)          # (S, K, B*M)
         u = np.asarray(u).reshape(num_samples, K, B, -1)
-        posterior = {f"u_{b}": u[None, :, :, b] for b in range(B)}
+        posterior = {f"u_{b}": arviz.as_chains(u[:, :, b]) for b in range(B)}
         X, _, task = self.data
         mean, var = jax.vmap(_predict_rows, (None, 0, 0, 0))(self.spec, self.clients, X, task)
         mask = np.asarray(self.masks)
@@ -109,18 +110,18 @@ class PFedMulResult(Result):
         constant = {"Z": np.asarray(self.clients.Z), "task": np.where(mask, task, -1),
                     **_hyper_arrays(self.hyper, ""), **_hyper_arrays(self.clients.hyper, "client_")}
         dims = {**{f"u_{b}": ["client", "inducing"] for b in range(B)},
-                "f_mean": ["client", "obs"], "f_var": ["client", "obs"],
                 "Z": ["client", "inducing", "input"], "task": ["client", "obs"],
                 "log_phi0": ["latent"], "log_phi1": ["latent"], "W": ["task", "latent"],
                 "log_noise": ["task"], "client_log_phi0": ["client", "latent"],
                 "client_log_phi1": ["client", "latent"], "client_W": ["client", "task", "latent"],
                 "client_log_noise": ["client", "task"]}
         coords = {"client": list(self.client_names) or list(range(K))}
-        idata = az.from_dict(posterior=posterior, predictions=predictions,
-                             constant_data=constant, coords=coords, dims=dims)
-        idata.posterior.attrs["num_rounds"] = self.num_rounds
-        idata.posterior.attrs["final_elbo"] = float(self.history["elbo"][-1])
-        return idata
+        return arviz.from_dict(
+            {"posterior": posterior, "predictions": predictions, "constant_data": constant},
+            coords=coords, dims=dims, pred_coords=coords,
+            pred_dims={"f_mean": ["client", "obs"], "f_var": ["client", "obs"]},
+            attrs={"posterior": {"num_rounds": self.num_rounds,
+                                 "final_elbo": float(self.history["elbo"][-1])}})
 
 
 def _hyper_arrays(hyper: Hyper, prefix: str) -> dict[str, np.ndarray]:
@@ -188,6 +189,10 @@ class PFedMul(FederatedMethod):
 
     name = "pFed-Mul"
     refusal = "message not finite"
+    # the bar: the accepted clients' mean augmented ELBO, the exact ELBO; run(..., tol=) stops
+    # on the exact ELBO's relative change (a deployment's server, without data, has none)
+    progress: ClassVar[tuple[str, ...]] = ("elbo", "exact_elbo")
+    tol_objective: ClassVar[str | None] = "exact_elbo"
 
     def __init__(self, spec: MOGPSpec, hyper: Hyper, *, method: str = "pfed-mul",
                  variant: str = "all", fixed: tuple[str, ...] = (),

@@ -25,7 +25,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass, fields
-from typing import Any, cast
+from typing import Any, ClassVar, cast
 
 import numpy as np
 from jax import Array
@@ -65,6 +65,9 @@ class OneShot(EP):
     """
 
     name = "one-shot"
+    # the bar (one round): how far q moved from the prior, the largest site (message)
+    progress: ClassVar[tuple[str, ...]] = ("kl_change", "site_change:max")
+    tol_objective: ClassVar[str | None] = None  # one round: nothing to stop early
 
     def __init__(self, model: Callable, guide: PVIGuide, method: str = "laplace", *,
                  num_warmup: int = 300, num_samples: int = 500, num_chains: int = 4,
@@ -120,7 +123,7 @@ class OneShot(EP):
         return super()._message_bytes(msgs) + extra
 
     def run(self, rng_key: Array, clients: Clients, num_rounds: int = 1, *,
-            progress_bar: bool = False, **model_kwargs: Any) -> OneShotResult:
+            progress_bar: bool = True, **model_kwargs: Any) -> OneShotResult:
         """The one round (``num_rounds`` must be 1); keyword arguments are the model's."""
         if num_rounds != 1:
             raise ValueError(f"a one-shot method runs one round, got num_rounds={num_rounds}")

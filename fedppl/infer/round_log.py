@@ -1,17 +1,89 @@
-"""What PVI's front tells the user after each round: refused and shrunk updates, repaired
+"""What a front tells the user after each round.
+
+:class:`Progress` is every method's progress bar (on stderr, off with ``progress_bar=False``):
+one tick per round, a quantity the method has (PVI's ``elbo`` and ``kl_change``, EP's
+``site_change``, a sparse GP's ``free_energy``, ...; never a NaN), and, when a run stops before
+its last round (``tol``, a method's own stopping rule), one line that stays once the bar has
+gone, naming the round and the criterion.
+
+:class:`RoundLog` is PVI's account of each round: refused and shrunk updates, repaired
 cavities, unconverged local steps and (once) a collapse of q's uncertainty, each naming the
 clients; the refusals are kept for the result. The Pyro port's front uses it too: it reads
-the messages and Gaussians as NumPy arrays (JAX arrays, or torch tensors detached first)."""
+the messages and Gaussians as NumPy arrays (JAX arrays, or torch tensors detached first).
+"""
 
 from __future__ import annotations
 
+import math
+import sys
 import warnings
+from collections.abc import Mapping, Sequence
+from typing import Any
 
 import numpy as np
+from tqdm.auto import tqdm
 
 from fedppl.algorithms import pvi
 
-__all__ = ["RoundLog"]
+__all__ = ["RoundLog", "Progress", "postfix"]
+
+
+def postfix(info: Mapping[str, Any], keys: Sequence[str]) -> dict[str, str]:
+    """The bar's ``name=value`` pairs for one round's history row: each of ``keys`` present
+    and finite. A key ``"name:max"`` or ``"name:mean"`` reduces a per-client array over its
+    finite entries (a scalar is shown as it is). When none is finite, the messages sent
+    (``messages_up``) stand in, so a bar never shows a NaN."""
+    out: dict[str, str] = {}
+    for spec in keys:
+        name, _, how = spec.partition(":")
+        if name not in info:
+            continue
+        arr = np.asarray(info[name], dtype=float)
+        if arr.ndim:
+            arr = arr[np.isfinite(arr)]
+            if not arr.size:
+                continue
+            arr = arr.max() if how == "max" else arr.mean()
+        value = float(arr)
+        if math.isfinite(value):
+            out[name] = f"{value:.4g}"
+    if not out and "messages_up" in info:
+        out["messages_up"] = str(int(info["messages_up"]))
+    return out
+
+
+class Progress:
+    """A run's progress bar on stderr, for ``num_rounds`` rounds.
+
+    ``update(info)`` ticks once and shows :func:`postfix` of the round's row; ``close(stopped)``
+    removes the bar and, if ``stopped`` (why the run ended early) is given, writes one line
+    that stays: ``"PVI (sequential): stopped after round 7 of 30: kl_change 3.2e-09 <= tol
+    1e-08"``. ``enabled=False`` writes nothing at all.
+
+    Example::
+
+        >>> bar = Progress("PVI", 3, ("elbo",), enabled=False)
+        >>> bar.update({"round": 1, "elbo": -12.5})
+        >>> bar.close("elbo stopped moving")
+    """
+
+    def __init__(self, desc: str, num_rounds: int, keys: Sequence[str], enabled: bool = True):
+        self.desc, self.num_rounds, self.keys, self.enabled = desc, num_rounds, keys, enabled
+        self.rounds = 0
+        self.bar = tqdm(total=num_rounds, desc=desc, disable=not enabled, leave=False,
+                        unit="round")
+
+    def update(self, info: Mapping[str, Any]) -> None:
+        self.rounds += 1
+        self.bar.update(1)
+        if self.enabled:
+            self.bar.set_postfix(postfix(info, self.keys))  # redraws: the row is always shown
+
+    def close(self, stopped: str | None = None) -> None:
+        self.bar.close()
+        if stopped and self.enabled:
+            tqdm.write(f"{self.desc}: stopped after round {self.rounds} of {self.num_rounds}: "
+                       f"{stopped}", file=sys.stderr)
 
 
 class RoundLog:

@@ -42,9 +42,17 @@ from fedppl.clients import Clients
 from fedppl.families import gaussian as g
 from fedppl.guides.pvi_guide import PVIGuide
 from fedppl.handlers.client import client
-from fedppl.infer.base import FederatedMethod, Result, RunState, check_rounds
+from fedppl.infer.base import (
+    FederatedMethod,
+    Result,
+    RunState,
+    StopRule,
+    check_rounds,
+    check_tol,
+)
 from fedppl.infer.round_log import RoundLog
-from fedppl.sites import curvature
+from fedppl.runtime.embedded import SCHEDULES
+from fedppl.sites import curvature, positional
 
 __all__ = ["PVI", "GlobalVI", "PVIResult"]
 
@@ -121,7 +129,9 @@ class PVIResult(Result):
         return g.to_moments(self.q)
 
     def to_arviz(self, rng_key: Array | None = None, num_samples: int = 1000):
-        """An ``arviz.InferenceData`` (needs ``pip install fedppl[arviz]``)."""
+        """An ``xarray.DataTree`` for ArviZ 1.x (``arviz_base.from_dict``): ``num_samples``
+        draws of q as 4 chains, the factors per client (see :mod:`fedppl.arviz`; needs
+        ``pip install 'fedppl[arviz]'``)."""
         from fedppl.arviz import to_inference_data
 
         return to_inference_data(self, rng_key, num_samples)
@@ -133,7 +143,7 @@ class PVIResult(Result):
         effective sample size and corrected moments (:class:`fedppl.infer.importance.Importance`
         takes the other keyword arguments: ``df``, ``local_draws``, ...; the rest are the
         model's static keyword arguments, by default those the run was given). Warns when k-hat
-        says the answer is unreliable. Needs ``fedppl[arviz]`` (ArviZ's PSIS)."""
+        says the answer is unreliable. Needs ``fedppl[arviz]`` (arviz-stats' PSIS)."""
         return self._importance(rng_key, clients, 1, num_draws, progress_bar, kwargs)
 
     def refine(self, rng_key: Array, clients: Clients, num_rounds: int = 10,
@@ -219,6 +229,9 @@ class PVI(FederatedMethod):
     """
 
     name = "PVI"
+    # the bar: the global ELBO (when estimated), how far q moved, a private run's worst epsilon
+    progress: ClassVar[tuple[str, ...]] = ("elbo", "kl_change", "epsilon:max")
+    tol_objective: ClassVar[str | None] = "kl_change"
 
     def __init__(self, model: Callable, guide: PVIGuide, schedule: str = "sequential",
                  damping: float = 1.0, *, solver: str = "natural-gradient",
@@ -229,6 +242,8 @@ class PVI(FederatedMethod):
                  shrink_warning: float = 2.0, line_search: bool | None = None,
                  max_divergence: float = pvi.MAX_DIVERGENCE,
                  privacy: DPOptimisation | DPLocalAveraging | DPVirtualParties | None = None):
+        if schedule not in SCHEDULES:
+            raise ValueError(f"schedule must be one of {SCHEDULES}, got {schedule!r}")
         validation.pvi_settings(damping, conjugate, solver, SOLVERS, local_steps, num_particles,
                                 local_tol, shrink_warning, max_divergence)
         if (optimizer is not None and solver != "optax" and conjugate != "polya-gamma"
@@ -236,7 +251,7 @@ class PVI(FederatedMethod):
             warnings.warn("optimizer is used only by solver='optax'; the default "
                           "natural-gradient local step needs no optimiser and ignores it",
                           UserWarning, stacklevel=2)
-        self.model = model
+        self.model = positional(model)  # data arguments may be keyword-only
         self.guide = guide
         self.schedule = schedule
         self.damping = float(damping)
@@ -293,13 +308,16 @@ class PVI(FederatedMethod):
             reason = "the model has local latent sites"
         elif fold_prior:
             reason = "the prior is not Gaussian (GlobalVI folds it into the likelihood)"
+        if self.privacy is not None and self.conjugate in (True, "polya-gamma"):
+            raise ValueError(f"conjugate={self.conjugate!r} is not available with privacy=: a "
+                             "private run's local step is DP optimisation")
         if self.conjugate == "polya-gamma":
             if reason:
                 raise ValueError(f"conjugate='polya-gamma' is not available: {reason}")
             polya_gamma.validate(model, self.guide, clients)
             return (polya_gamma.PolyaGammaSolver(model, self.guide, opt(self.local_steps, 200),
                                                  opt(self.local_tol, 1e-10)), prior_solver)
-        if self.conjugate is not False and reason is None:
+        if self.conjugate is not False and reason is None and self.privacy is None:
             why = conjugate.check(client(model, mask=clients.mask[0]), self.guide.layout, *data)
             if why is None:
                 return pvi.ConjugateSolver(model, self.guide), prior_solver
@@ -479,17 +497,27 @@ class PVI(FederatedMethod):
         (``resume`` from an earlier result: its factors, prior factor and local guides).
 
         ``tol`` stops early, after the first round in which q moved by ``KL(q_new || q_old) <=
-        tol`` (the ``kl_change`` history entry). Other keyword arguments are the model's own
-        static keyword arguments (``n_groups=...``), passed to every call of the model.
+        tol`` (the ``kl_change`` history entry; the run then writes one line saying so and
+        keeps it as ``result.stopped``). Other keyword arguments are the model's own static
+        keyword arguments (``n_groups=...``), passed to every call of the model.
         """
         num_rounds = check_rounds(num_rounds)
-        if tol is not None and not tol > 0:
-            raise ValueError(f"tol must be positive, got {tol}")
+        stop = self._tol_rule(check_tol(tol, self.name, self.tol_objective is not None))
         if self.privacy is not None:
             self.privacy.check_rounds(0, num_rounds)
         state = self.init(rng_key, clients, factors, resume=resume, **model_kwargs)
-        stop = None if tol is None else (lambda info: info["kl_change"] <= tol)
         return self._loop(state, num_rounds, progress_bar, stop)
+
+    def _tol_rule(self, tol: float | None) -> StopRule | None:
+        """Stop once q moves by ``KL(q_new || q_old) <= tol`` in a round."""
+        if tol is None:
+            return None
+
+        def rule(rows: list[dict[str, Any]]) -> str | None:
+            kl = float(rows[-1]["kl_change"])
+            return f"kl_change {kl:.3g} <= tol {tol:g}" if kl <= tol else None
+
+        return rule
 
 def check_clients(guide: PVIGuide, clients: Clients, model_kwargs: dict) -> None:
     """Before anything is compiled: every client's observations lie in their likelihood's
@@ -562,6 +590,9 @@ class GlobalVI(PVI):
     ``num_rounds`` defaults to 1.
 
     :param num_steps: the solver's cap (natural-gradient iterations, or optax steps).
+    :param local_tol: the solver's convergence tolerance (as for :class:`PVI`).
+    :param tol: deprecated: the old name of ``local_tol``. As for every method, ``tol`` is now
+        an argument of :meth:`run` (stop once q moves by ``KL <= tol`` in a round).
     """
 
     name = "GlobalVI"
@@ -570,10 +601,19 @@ class GlobalVI(PVI):
                  optimizer: optax.GradientTransformation | None = None, num_steps: int = 2000,
                  num_particles: int | None = None, conjugate: bool | str = "auto",
                  elbo_samples: int = 64, solver: str = "natural-gradient",
-                 tol: float | None = None):
+                 tol: float | None = None, *, local_tol: float | None = None):
+        if tol is not None:
+            if local_tol is not None:
+                raise TypeError("give local_tol (the solver's tolerance) only; tol is its "
+                                "deprecated name")
+            warnings.warn("GlobalVI(tol=...) is deprecated: it is the local solver's tolerance, "
+                          "now local_tol=...; tol is an argument of run(), as for every method "
+                          "(stop once q moves by KL <= tol in a round)", DeprecationWarning,
+                          stacklevel=2)
+            local_tol = tol
         super().__init__(model, guide, "sequential", 1.0, solver=solver, optimizer=optimizer,
-                         local_steps=num_steps, num_particles=num_particles, local_tol=tol,
-                         conjugate=conjugate, elbo_samples=elbo_samples)
+                         local_steps=num_steps, num_particles=num_particles,
+                         local_tol=local_tol, conjugate=conjugate, elbo_samples=elbo_samples)
         self._pooled = True
 
     def init(self, rng_key: Array, clients: Clients | tuple, factors: g.Gaussian | None = None,
@@ -583,6 +623,6 @@ class GlobalVI(PVI):
         return super().init(rng_key, pooled, factors, resume=resume, **model_kwargs)
 
     def run(self, rng_key: Array, clients: Clients | tuple, num_rounds: int = 1, *,
-            progress_bar: bool = False, **kwargs: Any) -> PVIResult:
-        """Fit the pooled data (keyword arguments as for :meth:`PVI.run`)."""
+            progress_bar: bool = True, **kwargs: Any) -> PVIResult:
+        """Fit the pooled data (keyword arguments as for :meth:`PVI.run`: ``tol``...)."""
         return super().run(rng_key, clients, num_rounds, progress_bar=progress_bar, **kwargs)

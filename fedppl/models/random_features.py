@@ -119,15 +119,18 @@ def init_urk(key: Array, spec: URKSpec, lengthscale: float = 1.0) -> URKParams:
 
 
 def base_draws(key: Array, spec: URKSpec) -> Array:
-    """The fixed random draws ``omega`` of shape ``(num_samples, omega_dim)``."""
+    """The fixed random draws ``omega`` of shape ``(num_samples, omega_dim)``, in JAX's default
+    float. Drawn in float32 whatever the dtype, so that a float32 and a float64 run from one key
+    share their features (and differ only by rounding)."""
     check_spec(spec)
     k1, k2 = jax.random.split(key)
-    z = jax.random.normal(k1, (spec.num_samples, spec.omega_dim))
+    dtype = jnp.float64 if jax.config.read("jax_enable_x64") else jnp.float32
+    z = jax.random.normal(k1, (spec.num_samples, spec.omega_dim), jnp.float32).astype(dtype)
     if spec.spectral == "se":
         return z
     nu = _NU[spec.spectral]
-    u = 2.0 * jax.random.gamma(k2, nu, (spec.num_samples, 1))  # chi-square with 2 nu dof
-    return z * jnp.sqrt(2.0 * nu / u)
+    u = 2.0 * jax.random.gamma(k2, nu, (spec.num_samples, 1), jnp.float32).astype(dtype)
+    return z * jnp.sqrt(2.0 * nu / u)  # u: chi-square with 2 nu dof
 
 
 def rff_features(omega: Array, X: Array, lengthscale: Array | float = 1.0) -> Array:

@@ -43,6 +43,7 @@ import numpyro
 import numpyro.distributions as dist
 from jax import Array
 
+from fedppl.families import gaussian as g
 from fedppl.models.kernels import SEParams, se
 
 __all__ = ["JITTER", "num_hyper", "split_hyper", "kzz", "Whitened", "posterior",
@@ -65,9 +66,12 @@ def split_hyper(log_beta: Array, input_dim: int) -> SEParams:
 
 
 def kzz(Z: Array, hyper: SEParams, jitter: float = JITTER, relative: bool = True) -> Array:
-    """``K_ZZ + jitter I``, the jitter times the kernel variance when ``relative``."""
+    """``K_ZZ + jitter I``, the jitter times the kernel variance when ``relative``, and at
+    least :func:`fedppl.families.gaussian.jitter_floor` (``10 eps tr(K_ZZ)``, ``1.2e-4`` of the
+    variance for 100 points in float32; it binds only there: see its doc)."""
     K = se(Z, Z, hyper.lengthscale, hyper.variance)
     shift = jitter * hyper.variance if relative else jitter
+    shift = jnp.maximum(shift, g.jitter_floor(K))
     return K + shift * jnp.eye(Z.shape[0], dtype=K.dtype)
 
 

@@ -60,13 +60,15 @@ from numpyro.distributions.util import scale_and_mask
 from numpyro.handlers import replay, seed, substitute, trace
 from numpyro.infer.elbo import ELBO
 
+from fedppl.families import gaussian as g
 from fedppl.families import kronecker as kr
 from fedppl.models.kernels import SEParams, se
 from fedppl.models.sparse_gp import kzz
 
 __all__ = ["JITTER", "Points", "Grid", "SparseGPRegression", "PointsPrior", "GridPrior",
            "InducingLikelihood", "Undrawn", "expected_log_likelihood", "inducing_kl",
-           "predict_latent", "InducingELBO", "posterior", "predict", "gaussian_terms"]
+           "predict_latent", "InducingELBO", "posterior", "predict", "gaussian_terms",
+           "require_float64"]
 
 JITTER = 1e-6
 HYPER = ("lengthscale", "variance", "noise")
@@ -137,6 +139,16 @@ def check_data(X: Any, y: Any = None) -> None:
             raise ValueError(f"{name} has NaN or infinite values; clean or drop those rows")
 
 
+def require_float64(X: Any, who: str, why: str) -> None:
+    """Refuse to compute in float32 (``X``'s dtype, or JAX's default float for a Python
+    array): a ``TypeError`` naming ``numpyro.enable_x64()`` and ``why``, raised when the guide is
+    first traced (``SVI.init``), before any step."""
+    dtype = jnp.result_type(X, float)
+    if dtype != jnp.float64:
+        raise TypeError(f"{who} computes in float64 only, got {jnp.dtype(dtype).name} inputs: "
+                        f"{why}. Call numpyro.enable_x64() first (and pass float64 data)")
+
+
 class PointsPrior(dist.MultivariateNormal):
     """``p(u) = N(0, K_ZZ + jitter v I)`` at inducing inputs ``Z``; also gives the cross-covariances
     of the likelihood (``cross``) and the Nyström residual ``ktilde`` (``O(b M^2)``)."""
@@ -174,9 +186,11 @@ class GridPrior(dist.Distribution):
         self.axes, self.hyper = [jnp.asarray(a) for a in axes], hyper
         self.sizes = tuple(int(a.shape[0]) for a in self.axes)
         self.scale_l = hyper.variance ** (1.0 / len(self.axes))  # each factor's variance
-        self.factors = [se(a[:, None], a[:, None], hyper.lengthscale[l], self.scale_l)
-                        + jitter * self.scale_l * jnp.eye(a.shape[0], dtype=a.dtype)
-                        for l, a in enumerate(self.axes)]
+        kernels = [se(a[:, None], a[:, None], hyper.lengthscale[l], self.scale_l)
+                   for l, a in enumerate(self.axes)]
+        # the jitter at least g.jitter_floor (10 eps tr(K_l)): binds only in float32
+        self.factors = [K + jnp.maximum(jitter * self.scale_l, g.jitter_floor(K))
+                        * jnp.eye(K.shape[0], dtype=K.dtype) for K in kernels]
         self.chols = [jnp.linalg.cholesky(K) for K in self.factors]
         super().__init__(batch_shape=(), event_shape=(kr.grid_size(self.sizes),))
 

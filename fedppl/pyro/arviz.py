@@ -1,5 +1,5 @@
-"""Export a Pyro-port result to ArviZ, with a ``client`` dimension for the client factors (the
-twin of :mod:`fedppl.arviz`).
+"""Export a Pyro-port result to ArviZ 1.x (an ``xarray.DataTree``), with a ``client`` dimension
+for the client factors (the twin of :mod:`fedppl.arviz`).
 
 Example::
 
@@ -13,18 +13,18 @@ Example::
     >>> clients = fedppl.partition.homogeneous(X, X @ np.ones(2), num_clients=3, seed=0)
     >>> result = PVI(model, PVIGuide(model)).run(torch.Generator().manual_seed(0), clients, 1,
     ...                                          progress_bar=False)
-    >>> idata = result.to_arviz(torch.Generator().manual_seed(0), num_samples=100)
-    >>> idata.posterior["w"].shape, idata.constant_data["factor_nat1"].dims
-    ((1, 100, 2), ('client', 'theta'))
+    >>> dt = result.to_arviz(torch.Generator().manual_seed(0), num_samples=100)
+    >>> dt.posterior["w"].shape, dt.constant_data["factor_nat1"].dims      # 4 chains
+    ((4, 25, 2), ('client', 'theta'))
 """
 
 from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-import numpy as np
 import torch
 
+from fedppl import arviz
 from fedppl.pyro.families import gaussian as g
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -33,22 +33,15 @@ if TYPE_CHECKING:  # pragma: no cover
 __all__ = ["to_inference_data"]
 
 
-def _arviz():
-    try:
-        import arviz
-    except ImportError as e:  # pragma: no cover - depends on the environment
-        raise ImportError("ArviZ export needs the arviz extra: pip install 'fedppl[arviz]'") from e
-    return arviz
-
-
 def to_inference_data(result: PVIResult, rng_key: torch.Generator | None = None,
                       num_samples: int = 1000):
-    """Posterior draws (one chain; local sites with a ``client`` dimension after ``draw``), the
-    factors' natural parameters per client, and the run's final diagnostics as attributes."""
-    az = _arviz()
+    """Posterior draws (4 chains of ``num_samples / 4``; local sites with a ``client``
+    dimension after ``draw``), the factors' natural parameters per client, and the run's final
+    diagnostics as attributes (the layout of :func:`fedppl.arviz.to_inference_data`)."""
+    num_samples = arviz.check_num_samples(num_samples)
     gen = torch.Generator().manual_seed(0) if rng_key is None else rng_key
     draws = result.guide.sample(gen, result.q, num_samples, result.local)
-    posterior = {k: v.detach().numpy()[None] for k, v in draws.items()}
+    posterior = {k: arviz.as_chains(v.detach().numpy()) for k, v in draws.items()}
     nat1, prec = (x.detach().numpy() for x in result.factors)
     full = isinstance(result.factors, g.FullGaussian)
     dims = {"factor_nat1": ["client", "theta"],
@@ -58,15 +51,7 @@ def to_inference_data(result: PVIResult, rng_key: torch.Generator | None = None,
         assert result.guide.local_layout is not None
         for site in result.guide.local_layout.sites:
             dims[site.name] = ["client"] + [f"{site.name}_dim_{i}" for i in range(len(site.shape))]
-    idata = az.from_dict(posterior=posterior,
-                         constant_data={"factor_nat1": nat1, "factor_prec": prec},
-                         coords=coords, dims=dims)
-    fe = result.history.get("free_energy")
-    if fe is not None and len(fe):
-        idata.posterior.attrs["final_local_free_energy"] = np.asarray(fe[-1]).tolist()
-        idata.posterior.attrs["num_rounds"] = len(fe)
-    for key in ("converged", "kl_change"):
-        values = result.history.get(key)
-        if values is not None and len(values):
-            idata.posterior.attrs[f"final_{key}"] = np.asarray(values[-1]).tolist()
-    return idata
+    return arviz.from_dict({"posterior": posterior,
+                            "constant_data": {"factor_nat1": nat1, "factor_prec": prec}},
+                           coords=coords, dims=dims,
+                           attrs={"posterior": arviz.history_attrs(result.history)})

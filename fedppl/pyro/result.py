@@ -73,7 +73,8 @@ class PVIResult(Result):
         return g.to_moments(self.q)
 
     def to_arviz(self, rng_key: torch.Generator | None = None, num_samples: int = 1000):
-        """An ``arviz.InferenceData`` (needs ``pip install fedppl[arviz]``)."""
+        """An ``xarray.DataTree`` for ArviZ 1.x: ``num_samples`` draws of q as 4 chains, the
+        factors per client (see :mod:`fedppl.pyro.arviz`; needs ``pip install 'fedppl[arviz]'``)."""
         from fedppl.pyro.arviz import to_inference_data
 
         return to_inference_data(self, rng_key, num_samples)

@@ -4,7 +4,7 @@ flower-deployment``).
 
 Each process runs from this Python environment (so the ServerApp and ClientApps import fedppl),
 in its own process group, with its own ``FLWR_HOME`` in a temporary folder; leaving the ``with``
-block stops every process (SIGTERM, then SIGKILL) and removes the folder. Flower 1.41 serves
+block stops every process (SIGTERM, then SIGKILL) and removes the folder. Flower 1.42 serves
 the SuperLink's Fleet, Control and runtime APIs on one HTTP port; a SuperNode starts a fresh
 ``flwr-clientapp`` process for every message, so a ClientApp's state lives in its Flower
 context (``fedppl.runtime.flower`` keeps it there) and each message pays for starting Python

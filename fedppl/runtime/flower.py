@@ -53,12 +53,14 @@ Example (Bayesian linear regression on 3 simulated nodes; ``tests/runtime`` runs
 
 from __future__ import annotations
 
+import contextlib
 import importlib
+import logging
 import os
 import time
 import uuid
 from collections.abc import Callable, Mapping
-from typing import Any, NamedTuple
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -83,41 +85,13 @@ from fedppl.runtime.flower_wire import (
     pack,
     unpack,
 )
+from fedppl.runtime.task import Task
 
 __all__ = ["Task", "FlowerApp", "FlowerError", "task_from_config", "pack", "unpack"]
 
 
 class FlowerError(RuntimeError):
     """A deployment that cannot go on (too few nodes, a set-up a node refused)."""
-
-
-class Task(NamedTuple):
-    """What a Flower app runs, built on every process from the run's config.
-
-    ``method``: a fedppl method (``fedppl.PVI``, ``fedppl.FSGP``...); ``load_partition(k)``: the
-    arrays of partition ``k`` (called only on the node that holds it); ``num_clients``: how many
-    nodes to wait for; ``num_rounds`` and ``run_kwargs`` go to ``method.run`` (with
-    ``jax.random.key(seed)``); ``round_timeout``: seconds the server waits for a round's answers
-    (None: until every node answers); ``connect_timeout``: seconds the server waits for
-    ``num_clients`` nodes to connect.
-
-    ``fault(partition, round)`` injects a node's faults, for drills and tests: None (no fault),
-    ``"crash"`` (the ClientApp raises), ``"slow"`` (it answers after twice ``round_timeout``),
-    ``"wrong_shape"`` (one array too many), or a function of the message that returns the
-    message sent instead. The node keeps its true state: a fault changes only what leaves it.
-    (A node that dies is a real process killed: :meth:`LocalDeployment.kill_node
-    <fedppl.runtime.deployment.LocalDeployment.kill_node>`.)
-    """
-
-    method: Any
-    load_partition: Callable[[int], tuple]
-    num_clients: int
-    num_rounds: int
-    seed: int = 0
-    run_kwargs: Mapping[str, Any] = {}
-    round_timeout: float | None = None
-    connect_timeout: float = 120.0
-    fault: Callable[[int, int], Any] | None = None
 
 
 def task_from_config(run_config: Mapping[str, Any]) -> Task:
@@ -225,12 +199,13 @@ class FlowerApp:
             self.result = server.run()
             self.server_state = server.server_state
 
-        run_simulation(server_app, self.client_app(), num_supernodes=n,
-                       backend_config={"client_resources": {"num_cpus": 1, "num_gpus": 0.0},
-                                       "init_args": {"num_cpus": int(num_workers),
-                                                     "include_dashboard": False,
-                                                     "log_to_driver": verbose}},
-                       verbose_logging=verbose)
+        with _quiet_deprecation("run_simulation"):
+            run_simulation(server_app, self.client_app(), num_supernodes=n,
+                           backend_config={"client_resources": {"num_cpus": 1, "num_gpus": 0.0},
+                                           "init_args": {"num_cpus": int(num_workers),
+                                                         "include_dashboard": False,
+                                                         "log_to_driver": verbose}},
+                           verbose_logging=verbose)
         self.fixed_config = None
         if self.result is None:
             raise FlowerError("the simulated ServerApp did not finish; run with verbose=True "
@@ -239,6 +214,26 @@ class FlowerApp:
 
 
 # -- the server ------------------------------------------------------------------------------------
+
+
+@contextlib.contextmanager
+def _quiet_deprecation(feature: str):
+    """Drop Flower's log line that deprecates ``feature`` while the block runs.
+
+    Flower 1.42 deprecates the Python ``run_simulation`` in favour of ``flwr run``; fedppl keeps
+    it because it runs the ServerApp in the caller's process, so :meth:`FlowerApp.simulate` can
+    return the method's result object (``flwr run`` runs it in a process of its own)."""
+
+    def keep(record: logging.LogRecord) -> bool:
+        text = record.getMessage()
+        return not ("DEPRECATED FEATURE" in text and feature in text)
+
+    logger = logging.getLogger("flwr")
+    logger.addFilter(keep)
+    try:
+        yield
+    finally:
+        logger.removeFilter(keep)
 
 
 class _Server:
@@ -320,9 +315,10 @@ class _Server:
         method, task = self.task.method, self.task
         method.data_at_server = False
         method.runtime = self._runtime(stand_in)
+        # the method's own progress bar (its run's; off with run_kwargs={"progress_bar": False})
+        kwargs = {"progress_bar": True, **dict(task.run_kwargs)}
         try:
-            result = method.run(jax.random.key(task.seed), stand_in, task.num_rounds,
-                                progress_bar=False, **dict(task.run_kwargs))
+            result = method.run(jax.random.key(task.seed), stand_in, task.num_rounds, **kwargs)
         finally:
             method.runtime = None
         self._finish()

@@ -92,8 +92,8 @@ class _Node:
 
         method.runtime = runtime
         try:
-            method.run(jax.random.key(self.task.seed), clients, 1, progress_bar=False,
-                       **dict(self.task.run_kwargs))
+            method.run(jax.random.key(self.task.seed), clients, 1,
+                       **{**dict(self.task.run_kwargs), "progress_bar": False})
         except _Captured:
             pass
         finally:

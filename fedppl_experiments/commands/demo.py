@@ -17,24 +17,30 @@ def register(sub: argparse._SubParsersAction) -> None:
     demo.add_argument("--rounds", type=positive_int, default=10, help="PVI rounds (10)")
     demo.add_argument("--local-steps", type=positive_int, default=100,
                       help="cap on the local step's iterations per update")
-    demo.add_argument("--out", default="fedppl-demo.png", help="plot file ('' for none)")
-    demo.add_argument("--seed", type=int, default=0)
-    demo.add_argument("--no-progress", action="store_true", help="hide progress bars")
+    demo.add_argument("--plot", default="fedppl-demo.png", metavar="PATH",
+                      help="plot file ('' for none; fedppl-demo.png)")
+    demo.add_argument("--out", dest="plot", default=argparse.SUPPRESS, help=argparse.SUPPRESS)
     demo.add_argument("--runtime", default="embedded",
                       choices=("embedded", "flower", "flower-deployment"),
                       help="who runs PVI's rounds: this process (embedded), Flower's Simulation "
                            "Engine (flower) or a local SuperLink and SuperNodes "
                            "(flower-deployment); needs the flower extra")
-    demo.add_argument("--json", default="", help="also write the table's figures to this file")
     demo.add_argument("--ppl", default="numpyro", choices=("numpyro", "pyro"),
                       help="the probabilistic programming language the models are written in: "
                            "the NumPyro core (numpyro) or the Pyro port (pyro; needs the pyro "
                            "extra, embedded runtime only)")
 
 
-def run(args: argparse.Namespace) -> None:
+def run(args: argparse.Namespace) -> list[dict]:
+    """Print the table, write the plot; one run per table row."""
+    from fedppl.cli import run_record
     from fedppl_experiments.demo import run_demo
 
-    run_demo(args.clients, args.rounds, args.local_steps, args.out or None, args.seed,
-             progress_bar=not args.no_progress, runtime=args.runtime,
-             json_path=args.json or None, ppl=args.ppl)
+    rows = run_demo(args.clients, args.rounds, args.local_steps, args.plot or None, args.seed,
+                    progress_bar=not args.no_progress, runtime=args.runtime, ppl=args.ppl)
+    config = {"clients": args.clients, "rounds": args.rounds, "local_steps": args.local_steps,
+              "seed": args.seed, "runtime": args.runtime, "ppl": args.ppl}
+    return [run_record(r.method, config, {"accuracy": r.accuracy, "log_lik": r.log_lik,
+                                          "elbo": r.elbo, "rounds": r.rounds,
+                                          "seconds": r.seconds}, r.history, r.rejected)
+            for r in rows]

@@ -10,11 +10,21 @@ Example::
 from __future__ import annotations
 
 import argparse
-import json
 
-from fedppl_experiments.commands.arguments import folder, positive, positive_int
+from fedppl_experiments.commands.arguments import (
+    add_methods,
+    folder,
+    non_negative,
+    non_negative_int,
+    positive,
+    positive_int,
+)
 
 __all__ = ["register", "run"]
+
+# :data:`fedppl_experiments.svgp.METHODS` (named here so that ``--help`` imports no JAX; a test
+# keeps the two equal)
+METHODS = ("svigp", "diag", "rnvgp", "kron", "tvgp", "sumkron")
 
 
 def register(sub: argparse._SubParsersAction) -> None:
@@ -23,9 +33,9 @@ def register(sub: argparse._SubParsersAction) -> None:
                                     "on a UCI folder, trained with numpyro's SVI")
     p.add_argument("--data", required=True, type=folder,
                    help="a UCI dataset folder (data.txt, index_*.txt)")
-    p.add_argument("--method", default="tvgp",
-                   choices=("svigp", "diag", "kron", "tvgp", "rnvgp", "sumkron"))
-    p.add_argument("--split", type=int, default=0, help="standard train/test split (0)")
+    add_methods(p, METHODS, ["tvgp"])
+    p.add_argument("--split", type=non_negative_int, default=0,
+                   help="standard train/test split (0)")
     p.add_argument("--steps", type=positive_int, default=5000, help="optimisation steps (5000)")
     p.add_argument("--batch-size", type=positive_int, default=100, help="minibatch size b (100)")
     p.add_argument("--inducing", type=positive_int, default=200,
@@ -39,17 +49,18 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--probes", type=positive_int, default=5, help="RNVGP: Hutchinson probes d")
     p.add_argument("--tol-first", type=positive, default=1e-3, help="RNVGP: CG tolerance eps_L")
     p.add_argument("--tol", type=positive, default=1e-6, help="RNVGP: CG tolerance eps")
-    p.add_argument("--roulette", type=float, default=0.1, help="RNVGP: roulette rate beta")
+    p.add_argument("--roulette", type=non_negative, default=0.1,
+                   help="RNVGP: roulette rate beta")
     p.add_argument("--max-train", type=positive_int, default=None,
                    help="subsample the training rows")
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--json", help="write the results here")
-    p.add_argument("--no-progress", action="store_true", help="hide the progress bar")
 
 
-def run(args: argparse.Namespace) -> None:
+def run(args: argparse.Namespace) -> list[dict]:
+    """Fit and score every method, print the table; one run per method (its history: the
+    loss every ``steps // 100`` steps)."""
     import jax
 
+    from fedppl.cli import run_record
     from fedppl_experiments import svgp
 
     jax.config.update("jax_enable_x64", True)
@@ -58,16 +69,25 @@ def run(args: argparse.Namespace) -> None:
                              optimizer=args.optimizer, learning_rate=args.lr,
                              probes=args.probes, tol_first=args.tol_first, tol=args.tol,
                              roulette=args.roulette, seed=args.seed)
-    row = svgp.run(args.data, args.split, args.method, settings, max_train=args.max_train,
-                   progress_bar=not args.no_progress)
-    print(f"\n{args.method} on {args.data}, split {args.split}, M = {row['num_inducing']}, "
-          f"{args.steps} steps of {args.optimizer} ({args.lr}), b = {args.batch_size}\n")
-    print("| method | test RMSE (standardised) | test log-lik | RMSE (original units) "
+    rows = [svgp.run(args.data, args.split, m, settings, max_train=args.max_train,
+                     progress_bar=not args.no_progress) for m in args.method]
+    print(f"\n{', '.join(args.method)} on {args.data}, split {args.split}, {args.steps} steps "
+          f"of {args.optimizer} ({args.lr}), b = {args.batch_size}\n")
+    print("| method | M | test RMSE (standardised) | test log-lik | RMSE (original units) "
           "| s / step |")
-    print("|---|---:|---:|---:|---:|")
-    print(f"| {args.method} | {row['rmse']:.3f} | {row['log_lik']:.3f} | "
-          f"{row['rmse_original']:.3f} | {row['seconds_per_step']:.4f} |")
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump({"data": args.data, **row}, f, indent=1)
-        print(f"\nwrote {args.json}")
+    print("|---|---:|---:|---:|---:|---:|")
+    for r in rows:
+        print(f"| {r['method']} | {r['num_inducing']} | {r['rmse']:.3f} | {r['log_lik']:.3f} | "
+              f"{r['rmse_original']:.3f} | {r['seconds_per_step']:.4f} |")
+    runs = []
+    for r in rows:
+        curve = r["loss_curve"]
+        every = max(1, args.steps // 100)  # svgp.run keeps every (steps // 100)-th loss
+        config = {"data": args.data, "split": args.split, "max_train": args.max_train,
+                  **r["settings"]}
+        summary = {k: v for k, v in r.items()
+                   if k not in ("method", "split", "settings", "loss_curve")}
+        runs.append(run_record(r["method"], config, summary,
+                               {"step": [1 + i * every for i in range(len(curve))],
+                                "loss": curve}))
+    return runs

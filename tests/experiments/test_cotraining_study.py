@@ -1,12 +1,11 @@
 from __future__ import annotations
 
-import json
-
 import numpy as np
 import pytest
 
 from fedppl.cli import main
 from fedppl_experiments import cotraining_study as study
+from tests.test_cli import assert_cli_json
 
 
 @pytest.fixture(scope="module")
@@ -47,23 +46,24 @@ def test_parties_of_maps_a_problem_onto_clients_and_keywords():
 def test_cli_cotrain_with_dp(tmp_path, capsys):
     out = tmp_path / "c.json"
     assert main(["cotrain", "--masked", "--dp", "--rounds", "2", "--n-obs", "15", "--json",
-                 str(out)]) == 0
+                 str(out), "--no-progress"]) == 0
     text = capsys.readouterr().out
     assert "| 1 |" in text and "epsilon" in text
-    res = json.loads(out.read_text())
-    assert {"config", "method", "summary", "history", "rejected"} <= set(res)
-    assert res["config"]["dp"] is True and res["method"] == "CoTraining"
+    (res,) = assert_cli_json(out, "cotrain")
+    assert res["config"]["dp"] is True and res["method"] == "cotraining"
+    assert res["config"]["rounds"] == 2 and res["config"]["delta"] == 0.00625
     assert all(e > 0 for e in res["summary"]["epsilon"])
     assert res["history"]["round"] == [1, 2] and len(res["history"]["epsilon"]) == 2
 
 
 @pytest.mark.parametrize("flags,match", [
-    (["--rounds", "0"], "--rounds must be a positive integer"),
-    (["--n-obs", "-3"], "--n-obs must be a positive integer"),
-    (["--dp", "--epsilon", "0"], "dp.epsilon"),
-    (["--dp", "--delta", "2"], "dp.delta"),
-    (["--r", "1.5"], "--r must lie in"),
+    (["--rounds", "0"], "--rounds: must be a positive integer"),
+    (["--n-obs", "-3"], "--n-obs: must be a positive integer"),
+    (["--dp", "--epsilon", "0"], "--epsilon: must be a positive"),
+    (["--dp", "--delta", "2"], "--delta: must lie in (0, 1)"),
+    (["--r", "1.5"], "--r: must lie in (0, 1)"),
 ])
-def test_cli_cotrain_refuses_bad_flags(flags, match):
-    with pytest.raises(SystemExit, match=match):
+def test_cli_cotrain_refuses_bad_flags(flags, match, capsys):
+    with pytest.raises(SystemExit) as info:
         main(["cotrain", *flags])
+    assert info.value.code == 2 and match in capsys.readouterr().err

@@ -2,13 +2,12 @@
 
 from __future__ import annotations
 
-import json
-
 import numpy as np
 import pytest
 
 from fedppl.cli import main
 from fedppl_experiments import svgp
+from tests.test_cli import assert_cli_json
 
 
 def uci_folder(path, n=60, d=2, seed=0):
@@ -33,13 +32,15 @@ def test_cli_fits_scores_and_writes_json(tmp_path, capsys):
                  "--no-progress"]) == 0
     text = capsys.readouterr().out
     assert "| tvgp |" in text
-    row = json.loads(out.read_text())
+    (run,) = assert_cli_json(out, "svgp")
+    row, loss = run["summary"], run["history"]["loss"]
+    assert run["method"] == "tvgp" and run["config"]["m0"] == 4
     assert row["num_inducing"] == 16 and row["num_train"] == 50
     # target in original units has sd ~2: a fit explains most of it, RMSE in both units agree
     assert row["rmse"] < 0.5
     assert abs(row["rmse_original"] / row["rmse"] - np.std(np.loadtxt(
         folder / "data.txt")[:, 2][np.loadtxt(folder / "index_train_0.txt", dtype=int)])) < 0.2
-    assert row["loss_curve"][-1] < row["loss_curve"][0]
+    assert loss[-1] < loss[0] and run["history"]["step"][:2] == [1, 4] and len(loss) == 100
 
 
 def test_methods_build_their_guides():
@@ -65,7 +66,8 @@ def test_methods_build_their_guides():
 def test_bad_arguments_are_named(tmp_path):
     with pytest.raises(ValueError, match="unknown method 'gp'"):
         svgp.build("gp", np.zeros((3, 2)), svgp.Settings())
-    with pytest.raises(SystemExit):
-        main(["svgp", "--data", str(tmp_path / "missing"), "--method", "tvgp"])
-    with pytest.raises(SystemExit):
-        main(["svgp", "--data", str(tmp_path), "--method", "kronecker"])
+    for argv in (["--data", str(tmp_path / "missing"), "--method", "tvgp"],
+                 ["--data", str(tmp_path), "--method", "kronecker"]):
+        with pytest.raises(SystemExit) as info:
+            main(["svgp", *argv])
+        assert info.value.code == 2

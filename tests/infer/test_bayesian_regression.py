@@ -76,8 +76,8 @@ def test_one_shape_init_update_run_history_json_arviz(results, two_ranges, tmp_p
     out = res.to_json(str(tmp_path / "r.json"))
     assert json.loads((tmp_path / "r.json").read_text())["summary"] == out["summary"]
     assert out["summary"]["rounds_to_convergence"] is None and out["summary"]["best_round"]
-    idata = res.to_arviz(jax.random.key(1), num_samples=50)
-    assert idata.posterior["w"].shape == (1, 50, 1, 80)
+    idata = res.to_arviz(jax.random.key(1), num_samples=48)
+    assert idata.posterior["w"].shape == (4, 12, 1, 80)  # 4 chains of 12 draws
     assert idata.constant_data["noise"].shape == (1,)
 
 

@@ -86,8 +86,12 @@ def test_predict_before_and_after(problem, result):
 
 
 def test_to_arviz_holds_predictive_summaries(result):
-    idata = result.to_arviz()
+    idata = result.to_arviz(jax.random.key(0), num_samples=400)
     assert idata.predictions["mean"].shape == (2, 25)
+    f = idata.posterior["f"]  # draws of each party's latent at the test points, 4 chains
+    assert f.dims == ("chain", "draw", "client", "point") and f.shape == (4, 100, 2, 25)
+    z = (f.mean(("chain", "draw")) - idata.predictions["mean"]) / idata.predictions["sd"]
+    assert float(abs(z).max()) < 5 / np.sqrt(400)  # the draws' means are the predictive means
     assert list(idata.predictions["client"].values) == ["north", "south"]
     assert idata.constant_data["queried"].shape == (2, K_ROUNDS)
     assert idata.constant_data["y_test"].shape == (25,)

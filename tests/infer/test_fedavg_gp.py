@@ -110,7 +110,7 @@ def test_aggregation_round_is_counted_and_reported(fitted, tmp_path):
     assert json.loads((tmp_path / "fsgp.json").read_text())["summary"] == out["summary"]
     assert out["method"] == "FSGP" and "rounds_to_convergence" in out["summary"]
     idata = res.to_arviz(jax.random.key(0), num_samples=40)
-    assert idata.posterior["u"].shape == (1, 40, M)
+    assert idata.posterior["u"].shape == (4, 10, M)  # 4 chains of 10 draws
     assert idata.constant_data["Z"].shape == (M, 1)
     assert np.all(idata.constant_data["noise"].values > 0)
 

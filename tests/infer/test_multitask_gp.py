@@ -58,7 +58,7 @@ def test_predict_and_arviz(result):
     p = np.asarray(result.predict_proba(X, task=1, client=2))
     assert p.shape == (7,) and np.all((p > 0) & (p < 1))
     idata = result.to_arviz(jax.random.PRNGKey(1), num_samples=20)
-    assert idata.posterior["u_0"].shape == (1, 20, 3, 6)
+    assert idata.posterior["u_0"].shape == (4, 5, 3, 6)  # 4 chains of 5 draws
     assert list(idata.posterior["u_1"].coords["client"].values) == ["a", "b", "c"]
     f = idata.predictions["f_mean"].values[0, 0]
     assert f.shape == (3, 22) and np.isnan(f[2, 20:]).all() and np.isfinite(f[0]).all()

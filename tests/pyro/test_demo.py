@@ -2,9 +2,8 @@
 
 from __future__ import annotations
 
-import json
-
 from fedppl.cli import main
+from tests.test_cli import assert_cli_json
 
 
 def test_pyro_demo_prints_the_table_and_writes_the_plot(tmp_path, capsys):
@@ -15,6 +14,7 @@ def test_pyro_demo_prints_the_table_and_writes_the_plot(tmp_path, capsys):
     for row in ["PVI sequential", "PVI synchronous", "global VI", "client alone", "fedppl.pyro"]:
         assert row in text
     assert out.stat().st_size > 10_000
-    rows = json.loads(table.read_text())["rows"]
-    assert json.loads(table.read_text())["ppl"] == "pyro"
-    assert all(0.8 < r["accuracy"] <= 1.0 for r in rows)
+    runs = assert_cli_json(table, "demo")
+    assert all(r["config"]["ppl"] == "pyro" for r in runs)
+    assert all(0.8 < r["summary"]["accuracy"] <= 1.0 for r in runs)
+    assert runs[0]["history"]["round"] == [1]

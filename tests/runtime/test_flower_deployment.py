@@ -1,7 +1,7 @@
 """fedppl on Flower's Deployment Engine: a real SuperLink and three SuperNodes as processes on
 127.0.0.1, the run submitted with ``flwr run``, faults injected into the real thing.
 
-Flower 1.41 starts a fresh ClientApp process for every message (Python, JAX and the node's
+Flower 1.42 starts a fresh ClientApp process for every message (Python, JAX and the node's
 compiled step each time: about 10 s a message on 2 cores), so one run carries both checks: the
 answer equals the embedded runtime's (for the clients that took part) and faults leave the
 server intact.

@@ -1,7 +1,7 @@
 """Every Flower task on the Deployment Engine (a SuperLink and three SuperNodes on 127.0.0.1)
 equals the embedded runtime: PVI (both schedules), FSGP, FedBNR, the DPO sparse GP and pFed-Mul.
 
-Flower 1.41 starts a fresh ClientApp process for every message (several seconds each on 2
+Flower 1.42 starts a fresh ClientApp process for every message (several seconds each on 2
 cores), so these six runs take about ten minutes: they run when ``FEDPPL_FLOWER_FULL=1`` is set, and
 ``make test`` runs the Deployment Engine's fault test (``test_flower_deployment.py``) and every
 task on the Simulation Engine, whose ServerApp and ClientApp are the same code.
