@@ -43,11 +43,10 @@ from typing import Any, NamedTuple
 import numpy as np
 import torch
 from torch import Tensor
-from tqdm.auto import tqdm
 
 from fedppl import validation
 from fedppl.clients import Clients
-from fedppl.infer.round_log import RoundLog
+from fedppl.infer.round_log import Progress, RoundLog
 from fedppl.pyro.algorithms import conjugate, pvi
 from fedppl.pyro.algorithms import polya_gamma as pga
 from fedppl.pyro.algorithms.natural_gradient import NaturalGradientSolver, PriorSolver
@@ -393,15 +392,18 @@ class PVI:
             raise ValueError(f"tol must be positive, got {tol}")
         state = self.init(rng_key, clients, factors, resume=resume, **model_kwargs)
         rows = []
-        bar = tqdm(range(num_rounds), desc=f"{self.name} ({self.schedule})",
-                   disable=not progress_bar, leave=False)
-        for _ in bar:
+        bar = Progress(f"{self.name} ({self.schedule})", num_rounds, ("elbo", "kl_change"),
+                       enabled=progress_bar)
+        stopped = None
+        for _ in range(num_rounds):
             state, info = self.update(state)
             rows.append(info)
-            if np.ndim(info["elbo"]) == 0:
-                bar.set_postfix({"elbo": f"{info['elbo']:.4g}"})
+            bar.update(info)
             if tol is not None and info["kl_change"] <= tol:
+                if len(rows) < num_rounds:
+                    stopped = f"kl_change {float(info['kl_change']):.3g} <= tol {tol:g}"
                 break
+        bar.close(stopped)
         history = {k: np.asarray([r[k] for r in rows]) for k in rows[0]}
         run = self._run
         return PVIResult(guide=self.guide, q=state.server.q, factors=state.clients.factor,

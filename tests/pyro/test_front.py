@@ -237,3 +237,19 @@ def test_optimizer_is_ignored_with_a_warning_by_the_natural_gradient_step():
     assert any("solver='optim'" in str(w.message) for w in caught)
     assert jax  # the NumPyro side is imported for the acceptance-rule comparison
     assert fedppl.pyro is fp
+
+
+def test_the_bar_and_the_early_stop_line_are_the_cores(capsys):
+    """The Pyro run shows the core's bar (finite values only) and, stopped by ``tol``, writes
+    the core's one line that stays; with ``progress_bar=False`` nothing at all."""
+    pair = models.linear()  # conjugate: round 1 lands on the fixed point, round 2 moves by ~0
+    guide = fp.PVIGuide(pair.pyro, family="fullrank", dtype=F64)
+    res = fp.PVI(pair.pyro, guide, elbo_samples=0).run(key(), pair.clients, 5, tol=1e-12)
+    err = capsys.readouterr().err
+    lines = [ln for ln in err.replace("\r", "\n").splitlines() if "stopped after round" in ln]
+    assert len(res.history["round"]) == 2 and len(lines) == 1, err[-500:]
+    assert "stopped after round 2 of 5: kl_change" in lines[0] and "<= tol 1e-12" in lines[0]
+    assert "kl_change=" in err and "nan" not in err.lower()
+    fp.PVI(pair.pyro, guide, elbo_samples=0).run(key(), pair.clients, 5, tol=1e-12,
+                                                 progress_bar=False)
+    assert capsys.readouterr().err == ""
