@@ -23,12 +23,13 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 import sys
 from collections.abc import Mapping, Sequence
 from typing import Any
 
 import numpy as np
+
+from fedppl.infer.base import plain
 
 __all__ = ["main", "build_parser", "document", "run_record", "JSON_SCHEMA", "version"]
 
@@ -79,41 +80,21 @@ def version() -> str:
         return __version__
 
 
-def _plain(value: Any) -> Any:
-    """JSON types: arrays to lists, non-finite floats to ``None``, other objects to ``str``."""
-    if isinstance(value, Mapping):
-        return {str(k): _plain(v) for k, v in value.items()}
-    if isinstance(value, (list, tuple)):
-        return [_plain(v) for v in value]
-    if value is None or isinstance(value, (bool, str)):
-        return value
-    if isinstance(value, (int, float, np.ndarray, np.generic)) or hasattr(value, "__array__"):
-        arr = np.asarray(value)
-        if arr.dtype.kind in "fc":
-            arr = arr.real.astype(float)
-            if arr.ndim:
-                return [_plain(v) for v in arr]
-            return float(arr) if math.isfinite(arr) else None
-        if arr.dtype.kind in "biu":
-            return arr.tolist()
-    return str(value)
-
-
 def _column(value: Any) -> list[Any]:
     if isinstance(value, (list, tuple)):
-        return _plain(list(value))
+        return plain(list(value))
     arr = np.asarray(value)
-    return _plain(arr) if arr.ndim else [_plain(arr)]
+    return plain(arr) if arr.ndim else [plain(arr)]
 
 
 def run_record(method: str, config: Mapping[str, Any], summary: Mapping[str, Any],
                history: Mapping[str, Any] | None = None,
                rejected: Sequence[Any] | None = None) -> dict[str, Any]:
     """One run in the JSON shape (plain types; ``history`` and ``rejected`` empty if ``None``)."""
-    return {"method": str(method), "config": _plain(dict(config)),
-            "summary": _plain(dict(summary)),
+    return {"method": str(method), "config": plain(dict(config)),
+            "summary": plain(dict(summary)),
             "history": {str(k): _column(v) for k, v in (history or {}).items()},
-            "rejected": [_plain(list(r)) for r in (rejected or [])]}
+            "rejected": [plain(list(r)) for r in (rejected or [])]}
 
 
 def document(command: str, args: argparse.Namespace, runs: Sequence[dict[str, Any]]
@@ -121,7 +102,7 @@ def document(command: str, args: argparse.Namespace, runs: Sequence[dict[str, An
     """The file ``--json`` writes: ``{command, version, arguments, runs}``."""
     arguments = {k: v for k, v in vars(args).items()
                  if k not in ("command", "debug") and not k.startswith("_")}
-    return {"command": command, "version": version(), "arguments": _plain(arguments),
+    return {"command": command, "version": version(), "arguments": plain(arguments),
             "runs": list(runs)}
 
 

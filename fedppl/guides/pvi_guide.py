@@ -34,14 +34,8 @@ import numpyro.distributions as dist
 from jax import Array
 
 from fedppl.families import gaussian as g
-from fedppl.sites import (
-    SiteLayout,
-    classify,
-    float_dtype,
-    positional,
-    prior_correction,
-    prior_factor,
-)
+from fedppl.model_call import positional
+from fedppl.sites import SiteLayout, classify, float_dtype, prior_correction, prior_factor
 
 __all__ = ["PVIGuide"]
 

@@ -38,9 +38,10 @@ Example::
 from __future__ import annotations
 
 import json
+import math
 import operator
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any, ClassVar, NamedTuple
 
@@ -55,7 +56,7 @@ from fedppl.clients import Clients
 from fedppl.infer.round_log import Progress
 from fedppl.runtime.embedded import make_round
 
-__all__ = ["RunState", "Result", "FederatedMethod", "COMMON_HISTORY", "num_bytes"]
+__all__ = ["RunState", "Result", "FederatedMethod", "COMMON_HISTORY", "num_bytes", "plain"]
 
 COMMON_HISTORY = ("round", "seconds", "messages_up", "messages_down", "bytes_up", "bytes_down",
                   "rejected")
@@ -136,8 +137,8 @@ class Result:
     def to_json(self, path: str | None = None) -> dict[str, Any]:
         """``{"summary": ..., "history": ...}`` with plain types (and written to ``path``)."""
         out = {"method": type(self).__name__.removesuffix("Result") or "Result",
-               "summary": _plain(self.summary()),
-               "history": {k: _plain(v) for k, v in self.history.items()},
+               "summary": plain(self.summary()),
+               "history": {k: plain(v) for k, v in self.history.items()},
                "rejected": [list(r) for r in self.rejected]}
         if path is not None:
             with open(path, "w") as f:
@@ -145,18 +146,25 @@ class Result:
         return out
 
 
-def _plain(value: Any) -> Any:
-    if isinstance(value, dict):
-        return {str(k): _plain(v) for k, v in value.items()}
+def plain(value: Any) -> Any:
+    """JSON types: mappings to dicts, arrays to (nested) lists, non-finite floats to ``None``,
+    other objects to ``str`` (what ``to_json`` and the CLI's ``--json`` write)."""
+    if isinstance(value, Mapping):
+        return {str(k): plain(v) for k, v in value.items()}
     if isinstance(value, (list, tuple)):
-        return [_plain(v) for v in value]
-    arr = np.asarray(value) if not isinstance(value, str) else None
-    if arr is None:
+        return [plain(v) for v in value]
+    if value is None or isinstance(value, (bool, str)):
         return value
-    if arr.dtype.kind in "fc":
-        return np.where(np.isfinite(arr), arr, None).tolist() if arr.ndim else (
-            float(arr) if np.isfinite(arr) else None)
-    return arr.tolist()
+    if isinstance(value, (int, float, np.ndarray, np.generic)) or hasattr(value, "__array__"):
+        arr = np.asarray(value)
+        if arr.dtype.kind in "fc":
+            arr = arr.real.astype(float)
+            if arr.ndim:
+                return [plain(v) for v in arr]
+            return float(arr) if math.isfinite(arr) else None
+        if arr.dtype.kind in "biu":
+            return arr.tolist()
+    return str(value)
 
 
 class FederatedMethod:

@@ -50,8 +50,8 @@ from fedppl.families import gaussian as g
 from fedppl.guides.pvi_guide import PVIGuide
 from fedppl.infer.base import Result, check_rounds
 from fedppl.infer.round_log import Progress
+from fedppl.model_call import positional
 from fedppl.runtime.embedded import make_round
-from fedppl.sites import positional
 
 __all__ = ["Importance", "ImportanceResult", "ImportanceState", "khat_threshold"]
 

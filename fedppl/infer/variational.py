@@ -51,8 +51,9 @@ from fedppl.infer.base import (
     check_tol,
 )
 from fedppl.infer.round_log import RoundLog
+from fedppl.model_call import positional
 from fedppl.runtime.embedded import SCHEDULES
-from fedppl.sites import curvature, positional
+from fedppl.sites import curvature
 
 __all__ = ["PVI", "GlobalVI", "PVIResult"]
 

@@ -46,6 +46,7 @@ from torch import Tensor
 
 from fedppl import validation
 from fedppl.clients import Clients
+from fedppl.infer.base import check_tol
 from fedppl.infer.round_log import Progress, RoundLog
 from fedppl.pyro.algorithms import conjugate, pvi
 from fedppl.pyro.algorithms import polya_gamma as pga
@@ -388,8 +389,7 @@ class PVI:
         """Run up to ``num_rounds`` rounds; ``tol`` stops after the first round in which
         ``KL(q_new || q_old) <= tol``; other keyword arguments are the model's own."""
         num_rounds = validation.positive_int(num_rounds, "num_rounds")
-        if tol is not None and not tol > 0:
-            raise ValueError(f"tol must be positive, got {tol}")
+        tol = check_tol(tol, self.name)
         state = self.init(rng_key, clients, factors, resume=resume, **model_kwargs)
         rows = []
         bar = Progress(f"{self.name} ({self.schedule})", num_rounds, ("elbo", "kl_change"),
