@@ -223,7 +223,7 @@ def hierarchical(args) -> dict:
     pooled, _, clients = hier.simulate(seed)
     guide = fedppl.PVIGuide(hier.model, hier.GLOBAL, family="fullrank").setup(
         *clients.client(0), n_groups=hier.n_groups())
-    assert [s.name for s in guide._require_setup().sites] == list(hier.GLOBAL)
+    assert [s.name for s in guide.layout_or_raise().sites] == list(hier.GLOBAL)
     run: dict = {"seed": seed}
     if args.reference_from:
         with open(args.reference_from) as f:

@@ -126,7 +126,7 @@ def exact_posterior(X, y, guide):
     pooled = fedppl.partition.homogeneous(X, y, num_clients=1, seed=0)
     data = tuple(a[0] for a in pooled.stacked)
     log_f = ep.log_factor(model, guide, data, pooled.mask[0])
-    prior = guide._require_prior()
+    prior = guide.prior_or_raise()
 
     def log_post(t):
         return g.log_prob(prior, t) + log_f(t)

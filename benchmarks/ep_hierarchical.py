@@ -125,7 +125,7 @@ def simulate(seed: int):
 
 def unconstrained(guide: fedppl.PVIGuide, draws: dict) -> np.ndarray:
     """Draws of the global sites as the guide's flat unconstrained vectors (log sigma)."""
-    layout = guide._require_setup()
+    layout = guide.layout_or_raise()
     n = len(next(iter(draws.values())))
     cols = []
     for s in layout.sites:
@@ -223,7 +223,7 @@ def main() -> None:
         pooled, truth, clients = simulate(seed)
         guide = fedppl.PVIGuide(model, GLOBAL, family="fullrank").setup(*clients.client(0),
                                                                          n_groups=n_groups())
-        assert [s.name for s in guide._require_setup().sites] == list(GLOBAL)
+        assert [s.name for s in guide.layout_or_raise().sites] == list(GLOBAL)
         t0 = time.perf_counter()
         ref = pooled_nuts(pooled, guide, seed, args.ref_samples, args.ref_warmup)
         ref_seconds = time.perf_counter() - t0

@@ -76,7 +76,7 @@ def load(num_clients: int, seed: int):
 def test_log_lik(guide: fedppl.PVIGuide, theta: np.ndarray, test) -> float:
     """Average log predictive density of the test rows under draws ``theta`` (S, D) (flat)."""
     X, y = test
-    draws = guide._require_setup().constrain(jnp.asarray(theta))
+    draws = guide.layout_or_raise().constrain(jnp.asarray(theta))
     logits = X @ np.asarray(draws["w"]).T + np.asarray(draws["b"])  # (n, S)
     log_p = y[:, None] * logits - np.logaddexp(0.0, logits)
     return float(np.mean(jax.scipy.special.logsumexp(log_p, axis=1) - np.log(theta.shape[0])))
@@ -88,7 +88,7 @@ def q_test_log_lik(guide, q, test, seed: int = 0, num: int = 2000) -> float:
 
 def flat(guide: fedppl.PVIGuide, draws: dict) -> np.ndarray:
     """Draws keyed by site, as the guide's flat unconstrained vectors (identity transforms)."""
-    layout = guide._require_setup()
+    layout = guide.layout_or_raise()
     n = len(next(iter(draws.values())))
     return np.concatenate([np.asarray(draws[s.name]).reshape(n, -1) for s in layout.sites], 1)
 

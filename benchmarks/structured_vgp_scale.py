@@ -76,7 +76,7 @@ def build(method: str, size: int, X: np.ndarray, args: argparse.Namespace):
 
 def cg_iterations(model, params: dict, X: np.ndarray, args: argparse.Namespace) -> float:
     """Mean unbiased-CG iterations of RNVGP's solves with ``A = K_uu + Sigma`` at ``params``."""
-    from fedppl.algorithms.rnvgp import RandomisedConfig, probes, unbiased_cg
+    from fedppl.guides.rnvgp import RandomisedConfig, probes, unbiased_cg
     from fedppl.models.kernels import SEParams
     from fedppl.models.sparse_gp import kzz
 

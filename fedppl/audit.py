@@ -2,7 +2,7 @@
 
 :func:`audit_messages` runs any fedppl method (the common front: ``init`` / ``update``) on a set
 of clients, reads each round's messages as they left the clients (stacked on the client axis,
-:attr:`FederatedMethod.last_messages`) and reports two kinds of leak:
+in the run's state: ``state.log.last_messages``) and reports two kinds of leak:
 
 * **raw records**: a client's input row (all ``D`` features of one record, bit for bit) anywhere
   in its messages, or one of its real-valued targets; integer-valued data (labels, counts, task
@@ -43,7 +43,8 @@ import numpy as np
 
 from fedppl.clients import Clients
 
-__all__ = ["Finding", "AuditReport", "audit_messages", "raw_records_in", "size_changes"]
+__all__ = ["Finding", "AuditReport", "audit_messages", "last_messages", "raw_records_in",
+           "size_changes"]
 
 RUN = 8  # consecutive integer values that count as a copy of a client's data
 
@@ -157,15 +158,25 @@ def audit_messages(method: Any, rng_key: Any, clients: Clients, num_rounds: int 
     names: set[str] = set()
     for r in range(1, num_rounds + 1):
         state, _ = method.update(state)
-        fields = _fields(method.last_messages, K)
+        sent, active = last_messages(method, state)
+        fields = _fields(sent, K)
         first = first or fields
         names |= {n for n, _ in fields}
-        for k in np.nonzero(np.asarray(method.last_active))[0]:
+        for k in np.nonzero(np.asarray(active))[0]:
             own = [(n, a[k]) for n, a in fields]
             for kind, leaf, detail in raw_records_in(own, clients.client(int(k))):
                 findings.append(Finding(clients.names[k], r, kind, leaf, detail))
-    small = method.init(rng_key, _fewer(clients, shrink), **init_kwargs)
-    method.update(small)
-    for leaf, detail in size_changes(first, _fields(method.last_messages, K)):
+    small, _ = method.update(method.init(rng_key, _fewer(clients, shrink), **init_kwargs))
+    for leaf, detail in size_changes(first, _fields(last_messages(method, small)[0], K)):
         findings.append(Finding("every client", 1, "size", leaf, detail))
     return AuditReport(tuple(findings), num_rounds, tuple(sorted(names)))
+
+
+def last_messages(method: Any, state: Any) -> tuple[Any, np.ndarray]:
+    """What left the clients in the round that produced ``state`` (stacked on the client
+    axis) and which clients took part: the state's record (``state.log``), or for a front that
+    keeps it on itself (the Pyro port's) ``method.last_messages`` and ``method.last_active``."""
+    log = getattr(state, "log", None)
+    if log is not None and getattr(log, "last_messages", None) is not None:
+        return log.last_messages, np.asarray(log.last_active)
+    return method.last_messages, np.asarray(method.last_active)

@@ -19,6 +19,7 @@ import time
 from typing import Any
 
 import numpy as np
+import numpyro
 import torch
 
 from fedppl import partition
@@ -58,6 +59,8 @@ def run_demo_pyro(num_clients: int = 10, num_rounds: int = 10, local_steps: int 
                   ) -> list[Row]:
     """The demo with :mod:`fedppl.pyro` (see :func:`fedppl_experiments.demo.run_demo`)."""
     before = torch.get_default_dtype()
+    # torch float64 over JAX's float64 (the core runs the algebra, torch the model)
+    numpyro.enable_x64()
     torch.set_default_dtype(torch.float64)
     try:
         return _run(num_clients, num_rounds, local_steps, out, seed, progress_bar)

@@ -65,6 +65,7 @@ def test_private_pvi_sends_its_noised_factor_and_nothing_that_depends_on_the_dat
                         local_steps=5, num_particles=2)
     report = audit_messages(method, jax.random.key(0), clients, 1)
     assert report.fields and report.clean, report.findings
-    msgs = method.last_messages  # the diagnostics a non-private client sends are constants here
+    state, _ = method.update(method.init(jax.random.key(0), clients))
+    msgs = state.log.last_messages  # the diagnostics a non-private client sends are constants
     assert np.all(np.isnan(np.asarray(msgs.free_energy)))
     assert np.all(np.asarray(msgs.converged)) and np.all(np.asarray(msgs.iterations) == 5)

@@ -309,9 +309,12 @@ def test_there_are_at_least_sixty_cases():
 def test_nothing_is_computed_for_a_refused_client():
     """A client with bad labels is named before the first round: no state was built."""
     pvi = _pvi(local_steps=2, num_particles=4, elbo_samples=0)
+    before = dict(vars(pvi))
     with pytest.raises(ValueError, match="client"):
         pvi.init(KEY, _clients(y=Y_BIN * 2))
-    assert not hasattr(pvi, "_round_fn")
+    # the method object is as it was: a run's state lives in its RunState, never on the method
+    assert vars(pvi).keys() == before.keys()
+    assert all(vars(pvi)[k] is v for k, v in before.items())
     assert optax  # the good optimiser path is exercised by the front tests
 
 

@@ -9,6 +9,8 @@ a Gaussian factor in ``theta``:
 so the local free energy has a closed-form maximiser (``q = cavity * likelihood`` for a full-rank
 family, its mean-field projection otherwise). :func:`check` decides whether a model is in this case
 (numerically, on random points); :func:`likelihood_terms` extracts ``J``, ``r`` and the weights.
+The observed sites and the affinity test come from :mod:`fedppl.conjugacy`, which the
+Polya-Gamma path (:mod:`fedppl.guides.cavi`) shares; they stay importable from here.
 
 Example::
 
@@ -33,17 +35,19 @@ import jax.numpy as jnp
 import numpy as np
 import numpyro.distributions as dist
 from jax import Array
-from numpyro import handlers
 
+from fedppl.conjugacy import (
+    NotConjugate,
+    ObservedSite,
+    affine_reason,
+    constrained_reason,
+    observed_sites,
+)
 from fedppl.families.gaussian import FullGaussian
-from fedppl.sites import SiteLayout, cast_floats, is_identity
+from fedppl.sites import SiteLayout
 
 __all__ = ["GaussianLikelihood", "ObservedSite", "check", "likelihood_terms",
            "likelihood_factor", "expected_log_lik", "observed_sites", "affine_reason"]
-
-
-class NotConjugate(Exception):
-    pass
 
 
 class GaussianLikelihood(NamedTuple):
@@ -54,73 +58,6 @@ class GaussianLikelihood(NamedTuple):
     resid: Array  # (n_obs,) y - loc(0)
     prec: Array  # (n_obs,) weight / scale^2
     log_norm: Array  # () sum_n weight_n * (-1/2 log(2 pi scale_n^2))
-
-
-class ObservedSite(NamedTuple):
-    """An observed site with its distribution unwrapped from masks, ``Independent`` and expansion:
-    ``weight`` (shape of ``value``) folds in the masks and the site's scale."""
-
-    name: str
-    fn: dist.Distribution
-    value: Array
-    weight: Array
-
-
-def observed_sites(model: Callable, layout: SiteLayout, theta: Array, args: tuple, kwargs: dict
-                   ) -> list[ObservedSite]:
-    """The observed sites of ``model`` run at the flat global vector ``theta``.
-
-    Raises :class:`NotConjugate` if a latent site is not one of the layout's global sites.
-    """
-    values = layout.constrain(theta)
-    tr = handlers.trace(handlers.substitute(handlers.seed(model, 0), data=values)).get_trace(
-        *cast_floats(args, layout.dtype), **kwargs
-    )
-    out = []
-    for name, site in tr.items():
-        if site["type"] != "sample":
-            continue
-        if not site["is_observed"]:
-            if name not in layout.names:
-                raise NotConjugate(f"latent site '{name}' is not a global site")
-            continue
-        fn, value = site["fn"], site["value"]
-        weight = jnp.ones(jnp.shape(value), layout.dtype)
-        while True:
-            if isinstance(fn, dist.MaskedDistribution):
-                mask = jnp.reshape(fn._mask, jnp.shape(fn._mask) + (1,) * len(fn.event_shape))
-                weight = weight * mask
-                fn = fn.base_dist
-            elif isinstance(fn, (dist.Independent, dist.ExpandedDistribution)):
-                fn = fn.base_dist
-            else:
-                break
-        if site["scale"] is not None:
-            weight = weight * site["scale"]
-        out.append(ObservedSite(name, fn, value, jnp.broadcast_to(weight, jnp.shape(value))))
-    return out
-
-
-def affine_reason(fn: Callable[[Array], Array], dim: int, dtype: Any, seed: int = 0,
-                  what: str = "the mean of an observed site") -> str | None:
-    """``None`` if ``fn(theta) = fn(0) + J theta`` at two random points, else the reason.
-
-    The tolerance is relative to the size of the terms, ``|fn(0)| + |J| |theta|``: ``1e-5`` of
-    it, or ``100 * eps`` of it where the dtype's rounding is coarser (``J @ theta`` and
-    ``fn(theta)`` round differently, by up to a few ``eps`` of those terms each)."""
-    theta0 = jnp.zeros(dim, dtype=dtype)
-    loc0 = fn(theta0)
-    J = jax.jacfwd(fn)(theta0)
-    rel = max(1e-5, 100 * float(jnp.finfo(loc0.dtype).eps))
-    rng = np.random.default_rng(seed)
-    for _ in range(2):
-        theta = jnp.asarray(rng.normal(size=dim) * 3.0, dtype=dtype)
-        loc = fn(theta)
-        size = jnp.abs(loc0) + jnp.abs(J) @ jnp.abs(theta)
-        tol = rel * (1.0 + jnp.maximum(jnp.max(jnp.abs(loc)), size))
-        if not bool(jnp.all(jnp.abs(loc - (loc0 + J @ theta)) <= tol)):
-            return f"{what} is not affine in the global sites"
-    return None
 
 
 def _normal_observations(model: Callable, layout: SiteLayout, theta: Array, args: tuple,
@@ -175,9 +112,9 @@ def check(model: Callable, layout: SiteLayout, *args: Any, seed: int = 0, **kwar
     Affinity of the mean and constancy of the scale are checked at random points, so a model that
     is affine only near zero would pass; such models are rare and the check is documented.
     """
-    for s in layout.sites:
-        if not is_identity(s.transform):
-            return f"global site '{s.name}' is constrained ({type(s.transform).__name__})"
+    reason = constrained_reason(layout)
+    if reason is not None:
+        return reason
     try:
         theta0 = jnp.zeros(layout.dim, layout.dtype)
         _, scale0, _, _ = _normal_observations(model, layout, theta0, args, kwargs)

@@ -59,7 +59,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from functools import lru_cache, partial
-from typing import Any, NamedTuple
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -69,11 +69,11 @@ import optax
 import scipy.linalg
 from jax import Array
 
-from fedppl import privacy, validation
-from fedppl.algorithms.optimise import minimise
+from fedppl import privacy, trees, validation
 from fedppl.algorithms.trio import Trio
 from fedppl.models import gp
 from fedppl.models.cotraining import cotraining_kernel
+from fedppl.optimise import minimise
 
 __all__ = ["COMBINATIONS", "UNCERTAINTIES", "SENSITIVITIES", "DPSettings", "Settings", "Query",
            "Response", "Answers", "Relay", "PartyState", "check_settings", "fit_hyperparameters",
@@ -436,14 +436,8 @@ def make_trio(settings: Settings) -> Trio:
     return Trio(client_update, server_update, acknowledge, jit=False)
 
 
-def unstack(tree: Any) -> list:
-    """A pytree stacked on axis 0 as a list of its entries."""
-    n = len(jax.tree_util.tree_leaves(tree)[0])
-    return [jax.tree_util.tree_map(partial(_entry, k=k), tree) for k in range(n)]
-
-
-def _entry(x: Any, k: int) -> Any:
-    return x[k]
+#: A pytree stacked on axis 0 as the list of its entries: :func:`fedppl.trees.unstack`.
+unstack = trees.unstack
 
 
 def _route(messages: Answers) -> Answers:
@@ -453,4 +447,4 @@ def _route(messages: Answers) -> Answers:
     K = len(np.asarray(messages.responses[0].sender))
     replies = [Answers(tuple(sorted((r for r in responses if int(r.querier) == a),
                                     key=lambda r: int(r.sender)))) for a in range(K)]
-    return jax.tree_util.tree_map(lambda *xs: np.stack(xs), *replies)
+    return trees.stack(replies, xp=np)

@@ -75,10 +75,10 @@ from jax import Array
 
 from fedppl import accounting
 from fedppl.algorithms.natural_gradient import LocalResult, log_lik_fn
-from fedppl.algorithms.optimise import minimise
 from fedppl.algorithms.pvi import STEP_SIZES, VariationalSolver
 from fedppl.families import gaussian as g
 from fedppl.guides.pvi_guide import PVIGuide
+from fedppl.optimise import minimise
 
 if TYPE_CHECKING:
     import dp_accounting

@@ -198,7 +198,7 @@ def log_factor(model: Callable, guide: PVIGuide, data: tuple, mask: Array, alpha
     """``phi -> alpha * [log p(y_k, z_k | theta) + share(theta)]``: what a client's tilted
     distribution adds to its cavity, at the flat ``phi = (theta, z_k)`` (``share``: its part of
     a non-Gaussian prior's correction)."""
-    D = guide._require_setup().dim
+    D = guide.layout_or_raise().dim
     log_lik: Callable[..., Array] = log_lik_fn(model, guide, data, mask)
 
     def log_f(phi: Array) -> Array:
@@ -369,7 +369,7 @@ class TiltedNUTS(NamedTuple):
         joint draws) the chains start at draws of ``q(theta) q(z_k | theta)`` with its
         covariance as the inverse mass matrix: the previous round's adaptation, carried over.
         ``log_f``: the client's :func:`log_factor`, if the caller has built it already."""
-        layout = self.guide._require_setup()
+        layout = self.guide.layout_or_raise()
         D = layout.dim
         d = 0 if self.guide.local_layout is None else self.guide.local_layout.dim
         own = self.log_factor(data, mask, alpha) if log_f is None else log_f
@@ -415,7 +415,7 @@ class TiltedNUTS(NamedTuple):
                 ) -> TiltedMoments:
         log_f = self.log_factor(data, mask, alpha)
         joint = self.draws(cavity, q, data, mask, rng_key, alpha, local, log_f)
-        D = self.guide._require_setup().dim
+        D = self.guide.layout_or_raise().dim
         draws = joint[..., :D]
         ess = effective_sample_size(draws)
         n = self.num_chains * self.num_samples
@@ -453,7 +453,7 @@ class ExactTilted(NamedTuple):
     def moments(self, cavity: g.Gaussian, q: g.Gaussian, data: tuple, mask: Array,
                 rng_key: Array, alpha: float = 1.0, local: g.Conditional | None = None
                 ) -> TiltedMoments:
-        layout = self.guide._require_setup()
+        layout = self.guide.layout_or_raise()
         lik = conjugate.likelihood_terms(client(self.model, mask=mask), layout, *data)
         target = cast(g.FullGaussian, g.product(g.to_full(cavity),
                                                 g.scale(conjugate.likelihood_factor(lik), alpha)))

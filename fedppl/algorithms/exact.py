@@ -34,6 +34,7 @@ import jax.scipy.linalg as jsl
 import numpy as np
 from jax import Array
 
+from fedppl import trees
 from fedppl.families import gaussian as g
 
 __all__ = ["Stats", "client_stats", "validate", "aggregate", "add_up", "all_finite",
@@ -95,9 +96,7 @@ def add_up(stats: Stats) -> Stats:
     def step(total, one):
         return jax.tree_util.tree_map(jnp.add, total, one), None
 
-    first = jax.tree_util.tree_map(lambda x: x[0], stats)
-    rest = jax.tree_util.tree_map(lambda x: x[1:], stats)
-    return jax.lax.scan(step, first, rest)[0]
+    return jax.lax.scan(step, trees.first(stats), trees.index(stats, slice(1, None)))[0]
 
 
 def all_finite(stats: Stats) -> Array:

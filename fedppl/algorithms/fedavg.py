@@ -30,7 +30,7 @@ import jax.numpy as jnp
 import optax
 from jax import Array
 
-from fedppl.algorithms.optimise import minimise
+from fedppl.optimise import minimise
 
 __all__ = ["FedAvgState", "init", "local_train", "server_update", "all_finite"]
 

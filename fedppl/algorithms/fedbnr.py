@@ -56,12 +56,12 @@ import jax.numpy as jnp
 import optax
 from jax import Array
 
-from fedppl import dp_statistics
+from fedppl import dp_statistics, trees
 from fedppl.algorithms import exact, fedavg
-from fedppl.algorithms.optimise import minimise
 from fedppl.algorithms.trio import Trio
 from fedppl.families import gaussian as g
 from fedppl.models.random_features import URKParams, urk_features
+from fedppl.optimise import minimise
 
 __all__ = ["BNRParams", "Settings", "ServerState", "ClientState", "KernelMessage", "LastLayer",
            "KERNELS", "init_params", "init_server", "init_clients", "make_trio", "neg_log_ml",
@@ -207,14 +207,6 @@ def _strong(tree: Any) -> Any:
     return jax.tree_util.tree_map(lambda x: jnp.asarray(x, jnp.result_type(x)), tree)
 
 
-def _stack(tree: Any, n: int) -> Any:
-    return jax.tree_util.tree_map(lambda x: jnp.broadcast_to(x, (n, *jnp.shape(x))), tree)
-
-
-def _index(tree: Any, i: Any) -> Any:
-    return jax.tree_util.tree_map(lambda x: x[i], tree)
-
-
 def _where(flag: Array, a: Any, b: Any) -> Any:
     return jax.tree_util.tree_map(lambda x, y: jnp.where(flag, x, y), a, b)
 
@@ -223,7 +215,7 @@ def _prior_layers(params: BNRParams, num_models: int, num_clients: int, dim: int
     """The prior in the place of the last layers (before the first evaluation)."""
     scale = jnp.exp(params.log_prior_scale)
     prior = g.FullGaussian(jnp.zeros(dim), jnp.eye(dim) / scale**2)
-    return LastLayer(_stack(prior, num_models), _stack(prior, num_clients))
+    return LastLayer(trees.broadcast(prior, num_models), trees.broadcast(prior, num_clients))
 
 
 def init_server(params: BNRParams, omega: Array, num_models: int, *, num_clients: int | None = None,
@@ -232,7 +224,7 @@ def init_server(params: BNRParams, omega: Array, num_models: int, *, num_clients
     """The server's first state: ``num_models`` copies of ``params`` (1 when shared, else K)."""
     num_clients = num_models if num_clients is None else num_clients
     params = _strong(params)
-    kernels = _stack(params, num_models)
+    kernels = trees.broadcast(params, num_models)
     zero, dtype = jnp.asarray(0, int), params.log_noise.dtype
     return ServerState(kernels, kernels,
                        _prior_layers(params, num_models, num_clients, 2 * omega.shape[0]),
@@ -244,7 +236,7 @@ def init_server(params: BNRParams, omega: Array, num_models: int, *, num_clients
 def init_clients(params: BNRParams, num_clients: int, private: bool = False) -> ClientState:
     """The clients' first states (``private``: with a placeholder noise key each)."""
     keys = jnp.zeros((num_clients, *_raw_key(jax.random.key(0)).shape), jnp.uint32)
-    return ClientState(_stack(_strong(params), num_clients), keys if private else None)
+    return ClientState(trees.broadcast(_strong(params), num_clients), keys if private else None)
 
 
 def _raw_key(key: Array) -> Array:
@@ -262,14 +254,14 @@ def _layer_stats(stats: exact.Stats, shared: bool) -> tuple[exact.Stats, exact.S
     over_clients = jax.tree_util.tree_map(lambda x: jnp.swapaxes(x, 0, 1), stats)
     total = jax.vmap(exact.add_up)(over_clients)  # (M, ...): client 0 first, as on the host
     which = jnp.zeros(K, int) if shared else jnp.arange(K)
-    own = jax.tree_util.tree_map(lambda x: x[jnp.arange(K), which], stats)
+    own = trees.index(stats, (jnp.arange(K), which))
     return total, own, which
 
 
 def _layers(total: exact.Stats, own: exact.Stats, which: Array, kernels: BNRParams
             ) -> LastLayer:
     glob = jax.vmap(exact.posterior)(total, kernels.noise, kernels.prior_scale)
-    mine = _index(kernels, which)
+    mine = trees.index(kernels, which)
     local = jax.vmap(exact.posterior)(own, mine.noise, mine.prior_scale)
     return LastLayer(glob, local)
 
@@ -296,7 +288,7 @@ def model_kernels(kernels: BNRParams, num_clients: int, shared: bool, last_layer
     """The kernel of each model of a last layer: one per kernel (global), one per client."""
     if last_layer == "global":
         return kernels
-    return _index(kernels, jnp.zeros(num_clients, int) if shared else jnp.arange(num_clients))
+    return trees.index(kernels, jnp.zeros(num_clients, int) if shared else jnp.arange(num_clients))
 
 
 def predict(kernels: BNRParams, posteriors: g.FullGaussian, omega: Array, X: Array,
@@ -342,7 +334,7 @@ def make_trio(settings: Settings, last_layer: str = "global") -> Trio:
 def _client_update(settings: Settings, server: ServerState, client: ClientState, data: tuple,
                    mask: Array, rng_key: Array, index: Array
                    ) -> tuple[KernelMessage, ClientState]:
-    start = _index(server.kernels, 0) if settings.shared else client.params
+    start = trees.index(server.kernels, 0) if settings.shared else client.params
     loss = partial(neg_log_ml, omega=server.omega)
 
     def train(_):
@@ -383,7 +375,7 @@ def _aggregate(settings: Settings, server: ServerState, params: BNRParams, recei
     """This round's kernels from the clients' and which clients' kernels were taken."""
     if not settings.shared:
         return params, received
-    state, ok = fedavg.server_update(fedavg.init(_index(server.kernels, 0)), params,
+    state, ok = fedavg.server_update(fedavg.init(trees.index(server.kernels, 0)), params,
                                      received=received)
     kernel = state.params
     if settings.kernel == "kd":
@@ -392,7 +384,7 @@ def _aggregate(settings: Settings, server: ServerState, params: BNRParams, recei
         X_kd, y_kd = server.kd_data
         kernel = kd_server_update(kernel, params, server.omega, X_kd, y_kd, settings.kd_alpha,
                                   settings.optimizer, settings.kd_steps)
-    return _stack(kernel, 1), ok
+    return trees.broadcast(kernel, 1), ok
 
 
 def _server_update(settings: Settings, last_layer: str, server: ServerState,

@@ -4,7 +4,7 @@ aggregation of the inducing-point statistics.
 The server's state has a ``phase``:
 
 * :data:`TRAIN`: each client ``k`` takes optimiser steps
-  (:func:`fedppl.algorithms.optimise.minimise`) on its own per-point collapsed bound
+  (:func:`fedppl.optimise.minimise`) on its own per-point collapsed bound
   ``F_k / N_k`` (:func:`fedppl.models.sparse_gp.collapsed_bound` on its data only) over the
   shared parameters (SE-ARD kernel hyperparameters, noise and inducing inputs ``Z``) and sends
   them; the server averages the finite ones with weights ``N_k / N``
@@ -60,10 +60,10 @@ from jax import Array
 
 from fedppl import dp_statistics
 from fedppl.algorithms import exact, fedavg
-from fedppl.algorithms.optimise import minimise
 from fedppl.algorithms.trio import Trio
 from fedppl.models import sparse_gp
 from fedppl.models.kernels import SEParams
+from fedppl.optimise import minimise
 
 __all__ = ["FSGPParams", "ServerState", "Message", "TRAIN", "AGGREGATE", "DEFAULT_JITTER",
            "init_params", "kuu", "bound", "client_loss", "client_stats", "plausible", "init",

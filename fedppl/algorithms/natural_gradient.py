@@ -133,8 +133,15 @@ def log_lik_fn(model: Callable, guide: PVIGuide, data: tuple, mask: Array
     client's optimum there is that normal, independent of ``theta``, and it adds nothing to the
     free energy. Kept in, its prior term would inform the group scale through the Gaussian
     approximation of an integral that is 1 (each such group shrinks the variance of log tau).
+
+    A guide with a ``log_lik_fn(model, data, mask)`` method (the Pyro port's
+    :class:`fedppl.pyro.PVIGuide`) gives the function itself: every local step of the core then
+    runs on its PPL's model.
     """
-    layout, loc = guide._require_setup(), guide.local_layout
+    hook = getattr(guide, "log_lik_fn", None)
+    if hook is not None:  # a guide over another PPL's model (fedppl.pyro) evaluates its own
+        return hook(model, data, mask)
+    layout, loc = guide.layout_or_raise(), guide.local_layout
     D = layout.dim
     data = cast_floats(data, layout.dtype)  # float32 data meet a float32 theta, not float64
 
@@ -250,8 +257,14 @@ class NaturalGradientSolver(NamedTuple):
         """``extra`` as a term over ``phi`` with its curvature estimator, or None."""
         if self.extra is None:
             return None
-        D = self.guide._require_setup().dim
+        D = self.guide.layout_or_raise().dim
         return (lambda phi, seed=0: self.extra(phi[:D]), self.hessian)
+
+    def draws(self, dim: int, dtype) -> Array:
+        """The fixed base draws (:func:`base_draws`, or the guide's own ``base_draws``: the Pyro
+        port draws them with torch's generator)."""
+        return getattr(self.guide, "base_draws", base_draws)(self.num_draws, dim, dtype,
+                                                             self.seed)
 
     def log_lik(self, data: tuple, mask: Array) -> Callable[[Array, Array], Array]:
         """The client's log density over ``phi``, with ``extra`` added."""
@@ -267,12 +280,12 @@ class NaturalGradientSolver(NamedTuple):
         del rng_key  # deterministic: the base draws are fixed
         log_lik, extra = log_lik_fn(self.model, self.guide, data, mask), self._extra()
         if local is None:
-            eps = base_draws(self.num_draws, q.dim, q.nat1.dtype, self.seed)
+            eps = self.draws(q.dim, q.nat1.dtype)
             return solve(log_lik, q_cavity, q, eps, self.max_iters, self.tol, self.step_size,
                          extra=extra)
         D, d, diag = q.dim, local.nat1.shape[-1], self.guide.client_diag
         cavity = g.embed(q_cavity if diag else g.to_full(q_cavity), d)
-        eps = base_draws(self.num_draws, D + d, q.nat1.dtype, self.seed)
+        eps = self.draws(D + d, q.nat1.dtype)
         out = solve(log_lik, cavity, g.join(q, local, diag), eps, self.max_iters, self.tol,
                     self.step_size, num_global=D, structure=self.guide.structure(),
                     extra=extra)
@@ -285,10 +298,10 @@ class NaturalGradientSolver(NamedTuple):
         server's line search sums these into the global ELBO); with local sites, under
         ``q(theta) local(z_k | theta)``, plus the entropy of ``local``."""
         if local is None:
-            eps = base_draws(self.num_draws, q.dim, q.nat1.dtype, self.seed)
+            eps = self.draws(q.dim, q.nat1.dtype)
             return expected_log_lik(self.log_lik(data, mask), q, eps)
         joint = g.join(q, local, self.guide.client_diag)
-        eps = base_draws(self.num_draws, joint.dim, q.nat1.dtype, self.seed)
+        eps = self.draws(joint.dim, q.nat1.dtype)
         return (expected_log_lik(self.log_lik(data, mask), joint, eps)
                 + g.conditional_entropy(local))
 

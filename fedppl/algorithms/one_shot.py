@@ -55,7 +55,7 @@ import optax
 from jax import Array
 
 from fedppl.algorithms import ep, pvi
-from fedppl.algorithms.optimise import minimise
+from fedppl.optimise import minimise
 from fedppl.algorithms.trio import Trio
 from fedppl.families import gaussian as g
 from fedppl.guides.pvi_guide import PVIGuide
@@ -80,7 +80,7 @@ class TiltedLaplace(NamedTuple):
     def moments(self, cavity: g.Gaussian, q: g.Gaussian, data: tuple, mask: Array,
                 rng_key: Array, alpha: float = 1.0, local: g.Conditional | None = None
                 ) -> ep.TiltedMoments:
-        D = self.guide._require_setup().dim
+        D = self.guide.layout_or_raise().dim
         d = 0 if self.guide.local_layout is None else self.guide.local_layout.dim
         log_f = ep.log_factor(self.model, self.guide, data, mask, alpha, self.prior_share)
 

@@ -56,11 +56,12 @@ import numpy as np
 import optax
 from jax import Array
 
+from fedppl import trees
 from fedppl.algorithms.fedavg import all_finite
-from fedppl.algorithms.optimise import minimise
 from fedppl.algorithms.trio import Trio
 from fedppl.models import mogp
 from fedppl.models.mogp import QU, Data, Hyper, MOGPSpec
+from fedppl.optimise import minimise
 
 __all__ = ["Config", "ClientState", "ServerState", "Message", "VIParams", "VARIANTS", "GROUPS",
            "METHODS", "make_trio", "init_server", "init_clients", "local_cavi", "client_step",
@@ -162,7 +163,7 @@ def _closed_form_noise(sums: Array, counts: Array, log_noise: Array) -> Array:
 def _vi_q(spec: MOGPSpec, hyper: Hyper, Z: Array, vi: VIParams) -> QU:
     """Whitened parameterisation: ``u = L_K v``, ``q(v) = N(mean, R R^T)``."""
     R = jnp.tril(vi.tril, -1) + jnp.diag(jnp.exp(jnp.diag(vi.tril)))
-    K, _ = mogp._kzz_chol(spec, hyper, hyper.net(Z))
+    K, _ = mogp.kzz_chol(spec, hyper, hyper.net(Z))
     Lk = jnp.linalg.cholesky(jax.scipy.linalg.block_diag(*K))
     LR = Lk @ R
     return QU(Lk @ vi.mean, LR @ LR.T)
@@ -341,13 +342,11 @@ def init_clients(config: Config, hyper: Hyper, Z: Array, num_rows: int | None = 
     K = Z.shape[0]
     q = jax.vmap(lambda z: mogp.prior_qu(config.spec, hyper, z))(Z)
     vi = VIParams(jnp.zeros_like(q.mean), jnp.zeros_like(q.cov))
-    def stack(tree: Any) -> Any:
-        return jax.tree_util.tree_map(lambda x: jnp.broadcast_to(x, (K, *jnp.shape(x))), tree)
-
-    opt = stack(config.optimizer.init(hyper))
+    opt = trees.broadcast(config.optimizer.init(hyper), K)
     vi_opt = jax.vmap(config.vi_optimizer.init)(vi)
     n = Z.shape[1] if num_rows is None else num_rows
-    return ClientState(Z, stack(hyper), q, jnp.zeros((K, n), Z.dtype), opt, vi, vi_opt)
+    return ClientState(Z, trees.broadcast(hyper, K), q, jnp.zeros((K, n), Z.dtype), opt, vi,
+                       vi_opt)
 
 
 # -- who takes part, with which keys -------------------------------------------------------------

@@ -56,6 +56,7 @@ import jax.numpy as jnp
 import optax
 from jax import Array
 
+from fedppl import trees
 from fedppl.algorithms import conjugate
 from fedppl.algorithms.natural_gradient import (
     LocalResult,
@@ -63,7 +64,7 @@ from fedppl.algorithms.natural_gradient import (
     PriorSolver,
     log_lik_fn,
 )
-from fedppl.algorithms.optimise import minimise
+from fedppl.optimise import minimise
 from fedppl.algorithms.trio import Trio
 from fedppl.families import gaussian as g
 from fedppl.guides.pvi_guide import PVIGuide
@@ -422,11 +423,12 @@ def make_trio(solver: LocalSolver, damping: float, prior: g.Gaussian, *,
     def begin(state: ServerState, rng_key):
         assert prior_solver is not None  # begin runs only with a prior solver
         pmsg, _ = prior_update(state, prior_solver, damping, rng_key)
-        new, s = server_update(state, _one(pmsg), jnp.ones(1, bool), None, max_divergence)
+        new, s = server_update(state, trees.one(pmsg), jnp.ones(1, bool), None, max_divergence)
         return _acknowledge_prior(state._replace(q=new.q), pmsg, s[0])
 
     def ack(cstate: ClientState, msg: ClientMessage, step, proposed: ClientState):
-        return _first(acknowledge(_one(cstate), _one(msg), step[None], _one(proposed)))
+        return trees.first(acknowledge(trees.one(cstate), trees.one(msg), step[None],
+                                       trees.one(proposed)))
 
     evaluate = None
     if line_search and hasattr(solver, "expected_log_lik"):
@@ -442,13 +444,7 @@ def make_trio(solver: LocalSolver, damping: float, prior: g.Gaussian, *,
 
 def _acknowledge_prior(state: ServerState, msg: ClientMessage, step: Array) -> ServerState:
     """The server applies its own prior-factor delta with the step it accepted."""
-    t0 = acknowledge(_one(ClientState(_prior_factor(state))), _one(msg), step[None])
-    return state._replace(prior_factor=_first(t0).factor)
+    t0 = acknowledge(trees.one(ClientState(_prior_factor(state))), trees.one(msg), step[None])
+    return state._replace(prior_factor=trees.first(t0).factor)
 
 
-def _one(tree):
-    return jax.tree_util.tree_map(lambda x: x[None], tree)
-
-
-def _first(tree):
-    return jax.tree_util.tree_map(lambda x: x[0], tree)

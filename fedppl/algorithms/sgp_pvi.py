@@ -8,7 +8,7 @@ The server's :class:`ServerState` holds the priors and every client's factors, s
 
 * :func:`client_update` maximises client ``k``'s local free energy (Eq. 7 of the paper, with the
   alpha-scaled Z KL) over its own factor parameters with any optax optimiser
-  (:func:`fedppl.algorithms.optimise.minimise`), leaving out its own factors from the cavity by
+  (:func:`fedppl.optimise.minimise`), leaving out its own factors from the cavity by
   its ``index``, and returns a :class:`Message` (its new ``t_k(beta)``, ``t_k(Z)``,
   pseudo-observations and, for FedAvg-Z, its local Z);
 * :func:`server_update` accepts finite, proper updates, damps and stores them, and averages Z
@@ -48,13 +48,14 @@ from jax import Array
 from numpyro.distributions.kl import kl_divergence
 from numpyro.infer import TraceMeanField_ELBO
 
+from fedppl import trees
 from fedppl.algorithms import fedavg
-from fedppl.algorithms.optimise import minimise
 from fedppl.algorithms.trio import Trio
 from fedppl.families import gaussian as g
 from fedppl.guides import sgp_guide as sg
 from fedppl.handlers.tempered import tempered
 from fedppl.models import sparse_gp as sgp
+from fedppl.optimise import minimise
 
 __all__ = ["Spec", "ServerState", "Shared", "ClientState", "Message", "init", "begin_round",
            "q_beta", "q_z", "cavity", "local_free_energy", "client_update", "server_update",
@@ -118,13 +119,8 @@ class Message(NamedTuple):
     free_energy: Array
 
 
-def expand(tree: Any) -> Any:
-    """Add a leading axis of length 1 (a single sequential message)."""
-    return jax.tree_util.tree_map(lambda x: x[None], tree)
-
-
-def _take(tree: Any, k: Any) -> Any:
-    return jax.tree_util.tree_map(lambda x: x[k], tree)
+#: Add a leading axis of length 1 (a single sequential message): :func:`fedppl.trees.one`.
+expand = trees.one
 
 
 # -- initialisation ------------------------------------------------------------------------------
@@ -155,7 +151,7 @@ def init(spec: Spec, key: Array, X_stack: np.ndarray, mask: np.ndarray, sizes: n
         m_max = int(np.max(num_pseudo))
         parts = [sg.init_dpo(rng, np.asarray(X_stack[k, : sizes[k]]), int(num_pseudo[k]), m_max,
                              spec.covariance, pseudo_from_data) for k in range(K)]
-        pseudo = jax.tree_util.tree_map(lambda *a: np.stack(a), *[p for p, _ in parts])
+        pseudo = trees.stack([p for p, _ in parts], xp=np)
         pmask = np.stack([m for _, m in parts])
     if z_from_pseudo:
         pool = np.asarray(pseudo.V)[np.asarray(pmask, bool)]
@@ -198,7 +194,7 @@ def q_z(state: ServerState) -> g.DiagGaussian:
 
 def cavity(prior: g.DiagGaussian, t: g.DiagGaussian, k: Any) -> g.DiagGaussian:
     """``q / t_k``: q without client ``k``'s factor."""
-    return cast(g.DiagGaussian, g.quotient(_q(prior, t), _take(t, k)))
+    return cast(g.DiagGaussian, g.quotient(_q(prior, t), trees.index(t, k)))
 
 
 def _proper(cav: g.DiagGaussian, q: g.DiagGaussian, floor: float = 1e-2) -> g.DiagGaussian:
@@ -220,7 +216,7 @@ def _loc_scale(prior: g.DiagGaussian, t: g.DiagGaussian, k: Any) -> tuple[Array,
 def _own_stats(spec: Spec, state: ServerState, k: Any, pseudo: sg.Pseudo, Z: Array,
                hyper: sgp.SEParams, L: Array) -> tuple[Array, Array]:
     """Whitened statistics of client ``k``'s factor with parameters ``pseudo`` at ``(beta, Z)``."""
-    return sg.summed_stats(spec.factor, spec.covariance, expand(pseudo),
+    return sg.summed_stats(spec.factor, spec.covariance, trees.one(pseudo),
                            state.pseudo_mask[k][None], jnp.ones(1), Z, hyper, L)
 
 
@@ -234,7 +230,7 @@ def _cavity_stats(spec: Spec, state: ServerState, k: Any, Z: Array, hyper: sgp.S
     if spec.factor == "cpo":
         A, c = sg.summed_stats("cpo", spec.covariance, state.pseudo, state.pseudo_mask,
                                jnp.ones(state.sizes.shape[0]), Z, hyper, L)
-        A_k, c_k = _own_stats(spec, state, k, _take(state.pseudo, k), Z, hyper, L)
+        A_k, c_k = _own_stats(spec, state, k, trees.index(state.pseudo, k), Z, hyper, L)
         return A - A_k, c - c_k
     w = jnp.ones(state.sizes.shape[0]).at[k].set(0.0)  # every client's factor but k's own
     return sg.summed_stats(spec.factor, spec.covariance, state.pseudo, state.pseudo_mask, w, Z,
@@ -317,7 +313,7 @@ def _shared_estimate(spec: Spec, state: ServerState, k: Any, data: tuple, lq: sg
     lb, Z = sh.log_beta[s], sh.Z[s]
     hyper_s = sgp.split_hyper(lb, spec.input_dim)
     L_s = jnp.linalg.cholesky(sgp.kzz(Z, hyper_s, spec.jitter))
-    A_k, c_k = _own_stats(spec, state, k, _take(state.pseudo, k), Z, hyper_s, L_s)
+    A_k, c_k = _own_stats(spec, state, k, trees.index(state.pseudo, k), Z, hyper_s, L_s)
     frozen = jax.lax.stop_gradient((sh.A[s] - A_k, sh.c[s] - c_k))
     if spec.learn_hyper:
         lb = lq.beta_loc + jnp.exp(lq.beta_logsd - start.beta_logsd) * (lb - start.beta_loc)
@@ -342,7 +338,7 @@ def client_update(spec: Spec, optimizer: optax.GradientTransformation, state: Se
     """Optimise client k's factors (``local_steps`` optimiser steps; FedAvg-Z then
     ``inner_steps`` joint steps with its local Z). ``data = (X_k, y_k, mask_k)``."""
     lq = sg.local_q_from(q_beta(state), q_z(state))
-    params = (lq, _take(state.pseudo, k), state.z_point)
+    params = (lq, trees.index(state.pseudo, k), state.z_point)
     fe = partial(local_free_energy, spec, state, k, data)
     k1, k2 = jax.random.split(key)
 
@@ -401,7 +397,7 @@ def _store(stack: Any, new: Any, idx: Array, ok: Array, rho: float,
     def keep(a: Array) -> Array:
         return ok.reshape(ok.shape + (1,) * (a.ndim - 1))
 
-    prev = _take(stack, idx)
+    prev = trees.index(stack, idx)
     new = jax.tree_util.tree_map(lambda n, p: jnp.where(keep(n), n, p), new, prev)
     cand = combine(prev, new, rho)
     return jax.tree_util.tree_map(lambda s, c, p: s.at[idx].set(jnp.where(keep(c), c, p)),

@@ -12,9 +12,9 @@ PG(omega_n | 1, c_n)`` gives two closed-form coordinate updates (pFed-Mul, Eq. 3
 The ELBO ``sum_n w_n (E_q[-log 2 + kappa f - E[omega] f^2 / 2] - KL[PG(1, c_n) || PG(1, 0)])
 - KL[q(theta) || p0]`` never decreases; at the optimal ``c`` it is the Jaakkola-Jordan bound.
 ``J`` and ``f0`` come from the model itself: the :class:`~fedppl.handlers.polya_gamma` handler
-exposes the logits and ``jax.jacfwd`` differentiates them at ``theta = 0``
-(:mod:`fedppl.algorithms.conjugate` machinery). A ``"meanfield"`` guide gets the mean-field
-optimum of each ``q(theta)`` step (exact mean, diagonal of ``Lambda``).
+exposes the logits and ``jax.jacfwd`` differentiates them at ``theta = 0`` (with
+:mod:`fedppl.conjugacy`, which :mod:`fedppl.algorithms.conjugate` shares). A ``"meanfield"``
+guide gets the mean-field optimum of each ``q(theta)`` step (exact mean, diagonal of ``Lambda``).
 
 Example::
 
@@ -40,12 +40,12 @@ import jax
 import jax.numpy as jnp
 from jax import Array
 
-from fedppl.algorithms import conjugate
+from fedppl.conjugacy import NotConjugate, affine_reason, constrained_reason, observed_sites
 from fedppl.families import gaussian as g
 from fedppl.families import polya_gamma as pg
 from fedppl.guides.pvi_guide import PVIGuide
 from fedppl.handlers.polya_gamma import PolyaGammaBernoulli, polya_gamma
-from fedppl.sites import SiteLayout, is_identity
+from fedppl.sites import SiteLayout
 
 __all__ = ["LogitLikelihood", "CAVIResult", "CAVI", "logit_terms", "check", "site_factor",
            "optimal_c", "update_q", "elbo", "fit", "iterate", "logit_values"]
@@ -74,16 +74,15 @@ def logit_values(model: Callable, layout: SiteLayout, theta: Array, args: tuple,
                  ) -> tuple[Array, Array, Array]:
     """Flat logits, ``kappa`` and weights of all observed sites (all must be Bernoulli)."""
     fs, ks, ws = [], [], []
-    for name, fn, value, weight in conjugate.observed_sites(polya_gamma(model), layout, theta,
-                                                            args, kwargs):
+    for name, fn, value, weight in observed_sites(polya_gamma(model), layout, theta, args,
+                                                  kwargs):
         if not isinstance(fn, PolyaGammaBernoulli):
-            raise conjugate.NotConjugate(
-                f"observed site '{name}' is {type(fn).__name__}, not a Bernoulli")
+            raise NotConjugate(f"observed site '{name}' is {type(fn).__name__}, not a Bernoulli")
         fs.append(jnp.reshape(fn.logits, (-1,)))
         ks.append(jnp.reshape(jnp.asarray(value, fn.logits.dtype) - 0.5, (-1,)))
         ws.append(jnp.reshape(weight, (-1,)).astype(fn.logits.dtype))
     if not fs:
-        raise conjugate.NotConjugate("the model has no observed sites")
+        raise NotConjugate("the model has no observed sites")
     return jnp.concatenate(fs), jnp.concatenate(ks), jnp.concatenate(ws)
 
 
@@ -102,15 +101,15 @@ def check(model: Callable, layout: SiteLayout, *args: Any, seed: int = 0, **kwar
           ) -> str | None:
     """``None`` if every observed site is a Bernoulli with logits affine in unconstrained global
     sites (checked at random points), else the reason. Runs eagerly: bad labels raise."""
-    for s in layout.sites:
-        if not is_identity(s.transform):
-            return f"global site '{s.name}' is constrained ({type(s.transform).__name__})"
+    reason = constrained_reason(layout)
+    if reason is not None:
+        return reason
     try:
         f0, _, _ = logit_values(model, layout, jnp.zeros(layout.dim), args, kwargs)
-        return conjugate.affine_reason(
+        return affine_reason(
             lambda t: logit_values(model, layout, t, args, kwargs)[0], layout.dim, f0.dtype, seed,
             what="the logit of an observed Bernoulli site")
-    except conjugate.NotConjugate as e:
+    except NotConjugate as e:
         return str(e)
 
 

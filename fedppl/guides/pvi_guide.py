@@ -29,6 +29,7 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import numpyro
 import numpyro.distributions as dist
 from jax import Array
@@ -96,6 +97,24 @@ class PVIGuide:
         """Whether a client's joint over ``(theta, z_k)`` is a diagonal Gaussian."""
         return self.diag and (self.local_layout is None or self.local == "independent")
 
+    @property
+    def key(self) -> tuple:
+        """What makes two guides the same guide: the model, the choice of sites, the family,
+        ``local``, the dtype and, once set up, the prototype's shapes and keyword arguments and
+        the prior's values. Equal guides (``==``, and the same ``hash``) share compiled rounds
+        (:mod:`fedppl.infer.variational`); a later :meth:`setup` on other shapes changes it."""
+        prior = None if self.prior is None else (type(self.prior).__name__, tuple(
+            (np.shape(x), str(np.asarray(x).dtype), np.asarray(x).tobytes())
+            for x in jax.tree_util.tree_leaves(self.prior)))
+        return (type(self), self.model, self.global_sites, self.local_sites, self.family,
+                self.local, self.dtype, self._signature, prior)
+
+    def __eq__(self, other: object) -> bool:
+        return self is other or (isinstance(other, PVIGuide) and self.key == other.key)
+
+    def __hash__(self) -> int:
+        return hash(self.key)
+
     def setup(self, *args: Any, **kwargs: Any) -> PVIGuide:
         """Trace the model on prototype data (one client's arrays) to find the global and local
         sites, the prior's Gaussian base and its correction (again only when the arrays' shapes or
@@ -124,7 +143,7 @@ class PVIGuide:
         joint may have (the global and local blocks, no coupling); else None."""
         if self.local_layout is None or self.local != "independent" or self.diag:
             return None
-        D, d = self._require_setup().dim, self.local_layout.dim
+        D, d = self.layout_or_raise().dim, self.local_layout.dim
         top = jnp.concatenate([jnp.ones((D, D), bool), jnp.zeros((D, d), bool)], 1)
         bottom = jnp.concatenate([jnp.zeros((d, D), bool), jnp.eye(d, dtype=bool)], 1)
         return jnp.concatenate([top, bottom], 0)
@@ -134,18 +153,26 @@ class PVIGuide:
         independent of ``theta`` (None without local sites)."""
         if self.local_layout is None:
             return None
-        D, d = self._require_setup().dim, self.local_layout.dim
-        dtype = dtype or self._require_prior().nat1.dtype
+        D, d = self.layout_or_raise().dim, self.local_layout.dim
+        dtype = dtype or self.prior_or_raise().nat1.dtype
         return g.Conditional(jnp.zeros(d, dtype), jnp.eye(d, dtype=dtype),
                              jnp.zeros((d, D), dtype))
 
-    def _require_setup(self) -> SiteLayout:
+    def layout_or_raise(self) -> SiteLayout:
+        """The site layout :meth:`setup` found; a ``RuntimeError`` before it."""
         if self.layout is None:
             raise RuntimeError("call guide.setup(*model_args) first (PVI.run does this)")
         return self.layout
 
-    def _require_prior(self) -> g.Gaussian:
-        self._require_setup()
+    @property
+    def signature(self) -> tuple[Any, ...] | None:
+        """The shapes, static keyword arguments and dtype the guide was set up with (None
+        before :meth:`setup`)."""
+        return self._signature
+
+    def prior_or_raise(self) -> g.Gaussian:
+        """The prior's Gaussian base :meth:`setup` found; a ``RuntimeError`` before it."""
+        self.layout_or_raise()
         assert self.prior is not None  # set by setup together with the layout
         return self.prior
 
@@ -155,8 +182,8 @@ class PVIGuide:
         """The guide over the global sites as a NumPyro guide (for ``Trace_ELBO`` and the
         ``cavity`` handler); local sites are not in it, so under a NumPyro ELBO they would be
         drawn from their prior. PVI itself does not call it."""
-        layout = self._require_setup()
-        init = self.params_from(self._require_prior())
+        layout = self.layout_or_raise()
+        init = self.params_from(self.prior_or_raise())
         loc = numpyro.param("pvi_loc", init["pvi_loc"])
         raw = numpyro.param("pvi_scale_raw", init["pvi_scale_raw"])
         theta = numpyro.sample("_pvi_theta", self._base(loc, raw), infer={"is_auxiliary": True})
@@ -203,7 +230,7 @@ class PVIGuide:
 
     def posterior(self, q: g.Gaussian) -> dict[str, dist.Distribution]:
         """Per-site marginal distributions of ``q`` in the constrained space."""
-        layout = self._require_setup()
+        layout = self.layout_or_raise()
         mean, cov = g.to_moments(q)
         out = {}
         for s in layout.sites:
@@ -218,7 +245,7 @@ class PVIGuide:
         With ``local`` (a client's private guide, or the guides of several clients stacked on a
         leading axis) the local sites are drawn from it given each draw of ``theta`` and added,
         with that client axis after the draw axis."""
-        layout = self._require_setup()
+        layout = self.layout_or_raise()
         theta = g.sample(rng_key, q, num_samples)
         out = layout.constrain(theta)
         if local is not None:

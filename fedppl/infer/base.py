@@ -1,13 +1,21 @@
 """The one front every federated method shares, shaped like numpyro's ``SVI``.
 
-A method is an object built from its model and settings. It turns the clients' data into a
-:class:`~fedppl.algorithms.trio.Trio` and its initial states, and the embedded runtime
-(:func:`fedppl.runtime.make_round`) runs the rounds:
+A method is an object built from its model and settings. Its plan builder turns the clients'
+data into a :class:`Plan` (a :class:`~fedppl.algorithms.trio.Trio`, its initial states, how a
+round's messages become a history row and the final state a result), and one driver runs any
+plan on a runtime given as an argument (``runtime=``: None for the embedded runtime,
+:func:`fedppl.runtime.make_round`; :class:`fedppl.runtime.faults.Faults`; a Flower server's):
 
-* ``init(rng_key, clients) -> RunState`` (a NamedTuple: server and client states, the stacked
-  data, the key, the round);
+* ``plan(rng_key, clients) -> Plan``: the run before its first round;
+* ``init(rng_key, clients, *, runtime=None) -> RunState`` (a NamedTuple: server and client
+  states, the stacked data, the key, the round, the plan and the run's log; everything the run
+  needs, as numpyro's ``SVIState``: the method object keeps none of it);
 * ``update(state) -> (state, info)``: one round; ``info`` is that round's row of the history;
-* ``run(rng_key, clients, num_rounds, *, progress_bar=True, tol=None) -> result``.
+* ``run(rng_key, clients, num_rounds, *, progress_bar=True, tol=None, runtime=None) -> result``.
+
+The embedded runtime makes one round function per (trio, schedule) in a process
+(:func:`embedded_round`), and PVI, GlobalVI, EP and OneShot make one trio per (model, guide,
+settings): a second method with the same settings reuses the compiled round.
 
 Every ``run`` shows a progress bar on stderr (``progress_bar=False``: none) with a quantity
 the method has (``FederatedMethod.progress``). ``tol`` is a ``run`` argument wherever a method
@@ -43,6 +51,7 @@ import operator
 import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
+from functools import lru_cache
 from typing import Any, ClassVar, NamedTuple
 
 import jax
@@ -56,15 +65,115 @@ from fedppl.clients import Clients
 from fedppl.infer.round_log import Progress
 from fedppl.runtime.embedded import make_round
 
-__all__ = ["RunState", "Result", "FederatedMethod", "COMMON_HISTORY", "num_bytes", "plain"]
+__all__ = ["RunState", "RunLog", "Plan", "Runtime", "EMBEDDED", "Result", "FederatedMethod",
+           "COMMON_HISTORY", "num_bytes", "plain", "shared", "embedded_round"]
 
 COMMON_HISTORY = ("round", "seconds", "messages_up", "messages_down", "bytes_up", "bytes_down",
                   "rejected")
 
 
+class Runtime(NamedTuple):
+    """Who runs a plan's rounds: ``make_round(trio, schedule) -> round function`` (of
+    :func:`fedppl.runtime.make_round`'s signature), and whether the server holds the clients'
+    data (False on a deployment, whose server set up on stand-ins: history columns that need
+    the data, such as a global ELBO or a bound, are then left out, and a set-up that reads data
+    values is refused). ``init`` and ``run`` take one as ``runtime=`` (None: :data:`EMBEDDED`; a
+    bare ``runtime(trio, schedule)`` callable, such as :class:`fedppl.runtime.faults.Faults`,
+    counts as one whose server holds the data)."""
+
+    make_round: Callable[[Trio, str], Callable]
+    data_at_server: bool = True
+
+
+@lru_cache(maxsize=64)
+def embedded_round(trio: Trio, schedule: str) -> Callable:
+    """The embedded runtime's round for ``trio`` and ``schedule``, made once per (trio,
+    schedule) in a process (and so compiled once): methods with the same settings share their
+    trio (see :mod:`fedppl.infer.variational`), hence this round and its compiled code."""
+    return make_round(trio, schedule)
+
+
+EMBEDDED = Runtime(embedded_round)
+
+
+def shared(make: Callable[..., Any], *args: Any) -> Any:
+    """``make(*args)``, made once per ``(make, args)`` in a process where the arguments are
+    hashable (a bounded cache), else made afresh. Fronts build their trios (and compiled
+    functions such as PVI's ELBO) through it, so that methods with equal settings share them,
+    and with them the compiled rounds (:func:`embedded_round`)."""
+    try:
+        hash(args)
+    except TypeError:
+        return make(*args)
+    return _shared(make, *args)
+
+
+@lru_cache(maxsize=128)
+def _shared(make: Callable[..., Any], *args: Any) -> Any:
+    return make(*args)
+
+
+def as_runtime(runtime: Any) -> Runtime:
+    """``runtime=`` as a :class:`Runtime`: None is :data:`EMBEDDED`; a callable
+    ``runtime(trio, schedule)`` is one whose server holds the data (unless it has an attribute
+    ``data_at_server`` that says otherwise)."""
+    if runtime is None:
+        return EMBEDDED
+    if isinstance(runtime, Runtime):
+        return runtime
+    if callable(runtime):
+        return Runtime(runtime, bool(getattr(runtime, "data_at_server", True)))
+    raise TypeError(f"runtime must be a fedppl.infer.base.Runtime or a function (trio, schedule)"
+                    f" -> round function, got {type(runtime).__name__}")
+
+
+class Plan(NamedTuple):
+    """A method's run, before its first round: what its plan builder (``method.plan``) returns.
+
+    ``trio`` and ``schedule`` (what a runtime drives), ``server`` and ``clients`` (the initial
+    states, clients stacked on axis 0), ``record(before, after, messages, replies, active,
+    rng_key) -> (method_log, row)`` (how a round's messages become the method's history columns
+    and its accumulators: ``after.log`` is still the log before the round), ``result(state,
+    history, rejected) -> Result`` (how the final state becomes a result), the clients'
+    ``names``, the method's accumulators at the start (``log``), the key the rounds start from,
+    the runtime's ``round_fn`` (set by ``init``), whether the server holds the data, and the
+    method's own static part (``static``: PVI's guide as set up, its compiled ELBO, a private
+    run's calibration...)."""
+
+    trio: Trio
+    schedule: str
+    server: Any
+    clients: Any
+    record: Callable[..., tuple[Any, dict[str, Any]]]
+    result: Callable[..., Result]
+    names: tuple[str, ...] = ()
+    log: Any = None
+    rng_key: Array | None = None
+    round_fn: Callable | None = None
+    data_at_server: bool = True
+    static: Any = None
+
+
+class RunLog(NamedTuple):
+    """A run's accumulators, replaced (never changed) each round: the refused updates so far
+    ``(round, client, reason)``, the clients refused in the last round, what left the clients
+    in the last round (stacked on the client axis; rows of clients that did not take part were
+    never sent: :func:`fedppl.audit.audit_messages` reads it) and which took part, and the
+    method's own accumulators (PVI's round log and privacy accounting)."""
+
+    rejected: tuple[tuple[int, str, str], ...] = ()
+    refused: tuple[str, ...] = ()
+    last_messages: Any = None
+    last_active: np.ndarray | None = None
+    method: Any = None
+
+
 class RunState(NamedTuple):
-    """Everything one round needs: the server's and the clients' states (clients stacked on
-    axis 0), their padded data and masks, the key for the next round and the rounds done."""
+    """Everything a run needs, as numpyro's ``SVIState``: the server's and the clients' states
+    (clients stacked on axis 0), their padded data and masks, the key for the next round, the
+    rounds done, the run's :class:`Plan` (its static part: trio, round function, names, the
+    method's record and result) and its :class:`RunLog` (``state.log.last_messages``: what
+    left the clients in the last round)."""
 
     server: Any
     clients: Any
@@ -72,6 +181,8 @@ class RunState(NamedTuple):
     masks: Array
     rng_key: Array
     round: int
+    plan: Plan | None = None
+    log: RunLog = RunLog()
 
 
 def num_bytes(tree: Any) -> int:
@@ -168,15 +279,26 @@ def plain(value: Any) -> Any:
 
 
 class FederatedMethod:
-    """Base of every method's front. A subclass provides
+    """Base of every method's front: a plan builder, and one driver for every plan.
 
-    * ``_setup(rng_key, clients, **kwargs) -> (trio, schedule, server, client_states)``;
+    A method's settings live on the object; everything a run needs lives in its
+    :class:`RunState` (the :class:`Plan` and the :class:`RunLog`), so ``update(state)`` depends
+    on the state alone. A subclass provides its plan, either whole:
+
+    * ``_plan(rng_key, clients, *, data_at_server, **kwargs) -> Plan`` (``rng_key`` the run's
+      key: the plan says which key its rounds start from);
+
+    or through the older hooks, which the default ``_plan`` assembles (the set-up drawing from
+    the second half of ``jax.random.split(rng_key)``):
+
+    * ``_setup(rng_key, clients, *, data_at_server, **kwargs) -> (trio, schedule, server,
+      client_states)``;
     * ``_record(before, after, messages, replies, active, rng_key) -> dict`` (its own history
       columns; ``rng_key`` for estimates such as an ELBO);
-    * ``_refused(replies, active) -> (K,) booleans`` (updates the server did not accept);
     * ``_result(state, history, rejected) -> Result``;
 
-    and may override ``_round_inputs`` (keys and participants), ``_message_bytes`` and
+    and may override ``_refused(replies, active) -> (K,) booleans`` (updates the server did not
+    accept), ``_round_inputs`` (keys and participants), ``_message_bytes`` and
     ``_broadcast_bytes`` (what a message and the server's broadcast cost on the wire),
     ``progress`` (the history keys its bar shows) and ``tol_objective`` (the history key whose
     relative change ``run(..., tol=)`` stops on; None: the method takes no ``tol``) or
@@ -185,12 +307,6 @@ class FederatedMethod:
 
     name = "method"
     schedule = "synchronous"
-    # Who runs the rounds: None for the embedded runtime (fedppl.runtime.make_round), else a
-    # ``runtime(trio, schedule) -> round function`` of the same signature (a Flower server's).
-    runtime: Any = None
-    # False where the server holds only stand-ins for the clients' data (a deployment): history
-    # columns that need the data (a global ELBO, a bound) are then left out.
-    data_at_server = True
     clients_per_round: int | None = None
     refusal = "update not accepted"
     # what the progress bar shows: history keys ("name:max" / "name:mean" reduce a per-client
@@ -201,8 +317,20 @@ class FederatedMethod:
 
     # -- what a subclass provides --------------------------------------------------------------
 
-    def _setup(self, rng_key: Array, clients: Clients, **kwargs: Any
-               ) -> tuple[Trio, str, Any, Any]:
+    def _plan(self, rng_key: Array, clients: Clients, *, data_at_server: bool = True,
+              **kwargs: Any) -> Plan:
+        """The plan from the older hooks (``_setup``, ``_record``, ``_result``)."""
+        rng_key, k_setup = jax.random.split(rng_key)
+        trio, schedule, server, cstates = self._setup(k_setup, clients,
+                                                      data_at_server=data_at_server, **kwargs)
+
+        def record(before, after, msgs, replies, active, key):
+            return None, self._record(before, after, msgs, replies, active, key)
+
+        return Plan(trio, schedule, server, cstates, record, self._result, rng_key=rng_key)
+
+    def _setup(self, rng_key: Array, clients: Clients, *, data_at_server: bool = True,
+               **kwargs: Any) -> tuple[Trio, str, Any, Any]:
         raise NotImplementedError
 
     def _record(self, before: RunState, after: RunState, messages: Any, replies: Any,
@@ -241,24 +369,35 @@ class FederatedMethod:
 
     # -- the numpyro SVI shape -----------------------------------------------------------------
 
-    def init(self, rng_key: Array, clients: Clients, **kwargs: Any) -> RunState:
-        """Check the clients, build the algorithm and its initial states."""
+    def plan(self, rng_key: Array, clients: Clients, *, runtime: Any = None,
+             **kwargs: Any) -> Plan:
+        """Check the clients and build the run's plan: its trio and initial states, how its
+        rounds become history rows and its end a result (no round runs, no runtime is asked
+        for a round function). A Flower node builds its trio this way."""
         if not isinstance(clients, Clients):
             raise TypeError(f"clients must be a fedppl.Clients (see fedppl.partition), got "
                             f"{type(clients).__name__}")
         rng_key = validation.rng_key(rng_key)
         self._check_clients_per_round(clients.num_clients)
-        rng_key, k_setup = jax.random.split(rng_key)
-        trio, schedule, server, cstates = self._setup(k_setup, clients, **kwargs)
-        if self.runtime is not None:  # a deployment's rounds (fedppl.runtime.flower)
-            self._round_fn = self.runtime(trio, schedule)
-        else:
-            cache = self.__dict__.setdefault("_rounds", {})
-            if (trio, schedule) not in cache:
-                cache[(trio, schedule)] = make_round(trio, schedule)
-            self._round_fn = cache[(trio, schedule)]
-        self._names = clients.names
-        return RunState(server, cstates, clients.stacked, clients.mask, rng_key, 0)
+        for old in ("runtime", "data_at_server"):  # attributes an earlier version read
+            if old in vars(self):
+                raise TypeError(f"{type(self).__name__}.{old} is not read: pass the runtime to "
+                                "init or run (runtime=..., see fedppl.infer.base.Runtime)")
+        data_at_server = as_runtime(runtime).data_at_server
+        plan = self._plan(rng_key, clients, data_at_server=data_at_server, **kwargs)
+        return plan._replace(names=clients.names, data_at_server=data_at_server,
+                             rng_key=rng_key if plan.rng_key is None else plan.rng_key)
+
+    def init(self, rng_key: Array, clients: Clients, *, runtime: Any = None,
+             **kwargs: Any) -> RunState:
+        """Check the clients, build the plan and its initial state; ``runtime`` runs the rounds
+        (None: the embedded runtime; see :class:`Runtime`)."""
+        rt = as_runtime(runtime)
+        plan = self.plan(rng_key, clients, runtime=rt, **kwargs)
+        plan = plan._replace(round_fn=rt.make_round(plan.trio, plan.schedule))
+        assert plan.rng_key is not None  # set by plan
+        return RunState(plan.server, plan.clients, clients.stacked, clients.mask, plan.rng_key,
+                        0, plan, RunLog(method=plan.log))
 
     def _check_clients_per_round(self, num_clients: int) -> None:
         """``clients_per_round`` no larger than the number of clients (known at ``init``)."""
@@ -267,47 +406,55 @@ class FederatedMethod:
             raise ValueError(f"clients_per_round={m} exceeds the number of clients "
                              f"({num_clients}); give at most {num_clients}, or None for all")
 
+    def _started(self, state: RunState) -> Plan:
+        """The state's plan, or the error that says to call ``init`` first."""
+        plan = getattr(state, "plan", None)
+        if plan is None or plan.round_fn is None:
+            raise RuntimeError(f"call {type(self).__name__}.init(rng_key, clients) before update")
+        return plan
+
     def update(self, state: RunState) -> tuple[RunState, dict[str, Any]]:
         """One round: every taking part client's update, then the server's."""
-        if not hasattr(self, "_round_fn"):
-            raise RuntimeError(f"call {type(self).__name__}.init(rng_key, clients) before update")
+        plan = self._started(state)
         rng_key, keys, active, server_key, spare = self._round_inputs(state)
         t0 = time.perf_counter()
-        server, cstates, msgs, replies = self._round_fn(state.server, state.clients, state.data,
-                                                        state.masks, keys, active, server_key)
+        server, cstates, msgs, replies = plan.round_fn(state.server, state.clients, state.data,
+                                                       state.masks, keys, active, server_key)
         jax.block_until_ready((server, cstates))
         seconds = time.perf_counter() - t0
-        new = RunState(server, cstates, state.data, state.masks, rng_key, state.round + 1)
+        new = state._replace(server=server, clients=cstates, rng_key=rng_key,
+                             round=state.round + 1)
         active = np.asarray(active)
-        # what left the clients this round, stacked on the client axis (rows of clients that
-        # did not take part were never sent): fedppl.audit reads it
-        self.last_messages, self.last_active = msgs, active
         refused = self._refused(replies, active) & active
         n = int(active.sum())
         info = {"round": new.round, "seconds": seconds, "messages_up": n, "messages_down": n,
                 "bytes_up": n * self._message_bytes(msgs),
                 "bytes_down": n * self._broadcast_bytes(state.server),
                 "rejected": int(refused.sum())}
-        self._refused_now = [self._names[k] for k in np.nonzero(refused)[0]]
-        info.update(self._record(state, new, msgs, replies, active, spare))
-        return new, info
+        method_log, row = plan.record(state, new, msgs, replies, active, spare)
+        info.update(row)
+        names = tuple(plan.names[k] for k in np.nonzero(refused)[0])
+        log = RunLog(state.log.rejected + tuple((new.round, who, self.refusal) for who in names),
+                     names, msgs, active, method_log)
+        return new._replace(log=log), info
 
     def lower_round(self, state: RunState) -> Any:
         """The next round as XLA sees it (``jax.stages.Lowered``), with the inputs ``update``
         would give it, for inspection: ``.compile().memory_analysis()``, ``.cost_analysis()``."""
-        if not hasattr(self, "_round_fn"):
-            raise RuntimeError(f"call {type(self).__name__}.init(rng_key, clients) first")
+        plan = self._started(state)
         _, keys, active, server_key, _ = self._round_inputs(state)
-        return jax.jit(self._round_fn).lower(state.server, state.clients, state.data,
-                                             state.masks, keys, active, server_key)
+        return jax.jit(plan.round_fn).lower(state.server, state.clients, state.data,
+                                            state.masks, keys, active, server_key)
 
     def run(self, rng_key: Array, clients: Clients, num_rounds: int, *,
-            progress_bar: bool = True, tol: float | None = None, **kwargs: Any) -> Result:
+            progress_bar: bool = True, tol: float | None = None, runtime: Any = None,
+            **kwargs: Any) -> Result:
         """``init``, then up to ``num_rounds`` calls of ``update`` (fewer once ``tol`` is met,
-        where the method takes one); returns the method's result."""
+        where the method takes one); returns the method's result. ``runtime`` runs the rounds
+        (None: the embedded runtime; see :class:`Runtime`)."""
         num_rounds = check_rounds(num_rounds)
         stop = self._tol_rule(check_tol(tol, self.name, self.tol_objective is not None))
-        state = self.init(rng_key, clients, **kwargs)
+        state = self.init(rng_key, clients, runtime=runtime, **kwargs)
         return self._loop(state, num_rounds, progress_bar, stop)
 
     def _tol_rule(self, tol: float | None) -> StopRule | None:
@@ -330,7 +477,6 @@ class FederatedMethod:
     def _loop(self, state: RunState, num_rounds: int, progress_bar: bool,
               stop: StopRule | None = None) -> Result:
         rows: list[dict[str, Any]] = []
-        rejected: list[tuple[int, str, str]] = []
         bar = Progress(f"{self.name} ({self.schedule})", num_rounds, self.progress,
                        progress_bar)
         why = None
@@ -338,7 +484,6 @@ class FederatedMethod:
             for _ in range(num_rounds):
                 state, info = self.update(state)
                 rows.append(info)
-                rejected += [(info["round"], who, self.refusal) for who in self._refused_now]
                 bar.update(info)
                 why = None if stop is None else stop(rows)
                 if why:
@@ -347,7 +492,8 @@ class FederatedMethod:
             early = why if why and len(rows) < num_rounds else None
             bar.close(early)
         history = {k: np.asarray([r[k] for r in rows]) for k in rows[0]}
-        result = self._result(state, history, rejected)
+        plan = self._started(state)
+        result = plan.result(state, history, list(state.log.rejected))
         result.stopped = early
         return result
 

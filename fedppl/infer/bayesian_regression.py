@@ -58,11 +58,12 @@ import numpy as np
 import optax
 from jax import Array
 
+from fedppl import trees
 from fedppl.algorithms import fedbnr as alg
 from fedppl.clients import Clients
 from fedppl.dp_statistics import PrivateStatistics
 from fedppl.families import gaussian as g
-from fedppl.infer.base import FederatedMethod, Result, RunState, check_rounds, num_bytes
+from fedppl.infer.base import FederatedMethod, Result, RunState, check_rounds, num_bytes, shared
 from fedppl.models.random_features import URKSpec, base_draws, check_spec, init_urk
 from fedppl.validation import optimizer as check_optimizer
 from fedppl.validation import rng_key as check_key
@@ -217,7 +218,7 @@ class FedBNR(FederatedMethod):
         self.privacy = privacy
         self._settings = alg.Settings(kernel, self.optimizer, self.local_steps, self.kd_alpha,
                                       self.kd_steps, self.eval_every, self.patience)
-        self._trio = self._plain_trio = alg.make_trio(self._settings, self.last_layer)
+        self._trio = self._plain_trio = shared(alg.make_trio, self._settings, self.last_layer)
         self._private_trios: dict[Any, Any] = {}
 
     @property
@@ -227,7 +228,8 @@ class FedBNR(FederatedMethod):
     # -- the front's hooks ---------------------------------------------------------------------
 
     def _setup(self, rng_key: Array, clients: Clients, *, keys: tuple[Array, Array],
-               final_round: int, kd_data: tuple | None, validation: tuple | None):
+               final_round: int, kd_data: tuple | None, validation: tuple | None,
+               data_at_server: bool = True):
         k_omega, k_init = keys  # the stream FedBNR always drew from (rng_key is not used)
         omega = base_draws(k_omega, self.spec)
         params = alg.init_params(init_urk(k_init, self.spec), self.noise, self.prior_scale)
@@ -237,7 +239,7 @@ class FedBNR(FederatedMethod):
                                  validation=validation)
         cstates = alg.init_clients(params, K, private=self.privacy is not None)
         stats = jax.eval_shape(self._trio.client_evaluate, (server.kernels, omega),
-                               _first(cstates), _first(clients.stacked), clients.mask[0])
+                               trees.first(cstates), trees.first(clients.stacked), clients.mask[0])
         self._stats_bytes = sum(math.prod(s.shape) * s.dtype.itemsize
                                 for s in jax.tree_util.tree_leaves(stats))
         return self._trio, self.schedule, server, cstates
@@ -288,17 +290,18 @@ class FedBNR(FederatedMethod):
                           "kernels and the prior as last layer", RuntimeWarning, stacklevel=3)
         stopped = bool(srv.done) and int(srv.stale) >= self.patience
         _warn_not_finite((srv.best, srv.last_layer))
-        return FedBNRResult(history=history, client_names=self._names, rejected=rejected,
+        names = self._started(state).names
+        return FedBNRResult(history=history, client_names=names, rejected=rejected,
                             spec=self.spec, kernel=self.kernel, last_layer=self.last_layer,
                             kernels=srv.best, layers=srv.last_layer, omega=srv.omega,
                             best_round=best or None,
                             rounds_to_convergence=int(srv.round) if stopped else None,
-                            privacy=self._privacy_result(history))
+                            privacy=self._privacy_result(history, len(names)))
 
-    def _privacy_result(self, history: dict[str, np.ndarray]) -> dict[str, Any] | None:
+    def _privacy_result(self, history: dict[str, np.ndarray], K: int
+                        ) -> dict[str, Any] | None:
         if self.privacy is None:
             return None
-        K = len(self._names)
         out = self.privacy.report(self._sigma,
                                   np.full(K, self._evaluations * self._per_evaluation))
         std2 = out["noise_std"] ** 2
@@ -322,15 +325,16 @@ class FedBNR(FederatedMethod):
         self._sigma = self.privacy.noise_multiplier_for(planned * self._per_evaluation)
         mechanism = self.privacy.mechanism(self._sigma)
         if mechanism not in self._private_trios:
-            self._private_trios[mechanism] = alg.make_trio(
-                self._settings._replace(privacy=mechanism), self.last_layer)
+            self._private_trios[mechanism] = shared(
+                alg.make_trio, self._settings._replace(privacy=mechanism), self.last_layer)
         self._trio = self._private_trios[mechanism]
         self._evaluations, self._spent = 0, {}
 
     # -- running -------------------------------------------------------------------------------
 
     def init(self, rng_key: Array, clients: Clients, *, validation: tuple | None = None,
-             kd_data: tuple | None = None, num_rounds: int | None = None) -> RunState:
+             kd_data: tuple | None = None, num_rounds: int | None = None,
+             runtime: Any = None) -> RunState:
         """Check the data and set up the run. ``validation=(X, y)``: the server's validation
         data (see the module doc); ``kd_data=(X, y)``: the server's distillation data (needed by
         ``kernel="kd"`` and used by no other); ``num_rounds``: the planned last round, which is
@@ -349,17 +353,17 @@ class FedBNR(FederatedMethod):
         run_clients = clients.pooled() if self.kernel == "central" else clients
         self._setup_privacy(run_clients.num_clients, final)
         state = super().init(rng_key, run_clients, keys=(k_omega, k_init), final_round=final,
-                             kd_data=kd_data, validation=validation)
+                             kd_data=kd_data, validation=validation, runtime=runtime)
         return state._replace(rng_key=k_run)
 
     def run(self, rng_key: Array, clients: Clients, num_rounds: int, *,
             progress_bar: bool = True, validation: tuple | None = None,
-            kd_data: tuple | None = None) -> FedBNRResult:
+            kd_data: tuple | None = None, runtime: Any = None) -> FedBNRResult:
         """Up to ``num_rounds`` rounds (fewer if early stopping ends phase 1); the last layer is
         formed at the latest at the last round."""
         num_rounds = check_rounds(num_rounds)
         state = self.init(rng_key, clients, validation=validation, kd_data=kd_data,
-                          num_rounds=num_rounds)
+                          num_rounds=num_rounds, runtime=runtime)
         return self._loop(state, num_rounds, progress_bar, stop=self._phase_two)
 
     def _phase_two(self, rows: list[dict[str, Any]]) -> str | None:
@@ -386,9 +390,6 @@ def _warn_not_finite(tree: Any) -> None:
                   f"(a learning rate too large for the data, or data not standardised){hint}",
                   RuntimeWarning, stacklevel=4)
 
-
-def _first(tree: Any) -> Any:
-    return jax.tree_util.tree_map(lambda x: x[0], tree)
 
 
 def _choice(value: Any, options: tuple[str, ...], name: str) -> str:

@@ -58,7 +58,7 @@ from jax import Array
 from fedppl import metrics, validation
 from fedppl.algorithms import cotraining as ct
 from fedppl.clients import Clients
-from fedppl.infer.base import FederatedMethod, Result, RunState, check_rounds, num_bytes
+from fedppl.infer.base import FederatedMethod, Result, RunState, check_rounds, num_bytes, shared
 
 __all__ = ["CoTraining", "CoTrainingResult", "DEFAULT_OPTIMIZER"]
 
@@ -201,18 +201,20 @@ class CoTraining(FederatedMethod):
         self.optimizer = (DEFAULT_OPTIMIZER if optimizer is None
                           else validation.optimizer(optimizer))
         self.fit_steps = validation.positive_int(fit_steps, "fit_steps")
-        self._trio = ct.make_trio(self.settings)
+        self._trio = shared(ct.make_trio, self.settings)  # one per settings in a process
 
     # -- running -------------------------------------------------------------------------------
 
     def init(self, rng_key: Array, clients: Clients, *, pool: Sequence[Any],
-             test: Sequence[Any] | None = None, y_test: Any = None) -> RunState:
+             test: Sequence[Any] | None = None, y_test: Any = None,
+             runtime: Any = None) -> RunState:
         """Check the parties' data, fit each party's GP on its private data, and start."""
-        return super().init(rng_key, clients, pool=pool, test=test, y_test=y_test)
+        return super().init(rng_key, clients, pool=pool, test=test, y_test=y_test,
+                            runtime=runtime)
 
     def run(self, rng_key: Array, clients: Clients, num_rounds: int, *,
             pool: Sequence[Any], test: Sequence[Any] | None = None, y_test: Any = None,
-            progress_bar: bool = True) -> CoTrainingResult:
+            progress_bar: bool = True, runtime: Any = None) -> CoTrainingResult:
         """``init``, then ``num_rounds`` rounds (each party queries once per round, so at most
         as many rounds as the pool has points)."""
         num_rounds = check_rounds(num_rounds)
@@ -221,12 +223,13 @@ class CoTraining(FederatedMethod):
             if num_rounds > n_pool:
                 raise ValueError(f"{num_rounds} rounds need {num_rounds} distinct pool points "
                                  f"per party; the pool has {n_pool}")
-        state = self.init(rng_key, clients, pool=pool, test=test, y_test=y_test)
+        state = self.init(rng_key, clients, pool=pool, test=test, y_test=y_test,
+                          runtime=runtime)
         return self._loop(state, num_rounds, progress_bar)
 
     def update(self, state: RunState) -> tuple[RunState, dict[str, Any]]:
         """One round: the ask exchange, then the answer exchange (one history row)."""
-        if not hasattr(self, "_round_fn"):
+        if getattr(state, "plan", None) is None:
             raise RuntimeError("call CoTraining.init(rng_key, clients, pool=...) before update")
         n_pool = state.clients.pool.shape[1]
         if state.round >= n_pool:
@@ -241,7 +244,8 @@ class CoTraining(FederatedMethod):
     # -- the front's hooks ---------------------------------------------------------------------
 
     def _setup(self, rng_key: Array, clients: Clients, pool: Sequence[Any] = (),
-               test: Sequence[Any] | None = None, y_test: Any = None):
+               test: Sequence[Any] | None = None, y_test: Any = None,
+               data_at_server: bool = True):
         data, pools, tests = _check_parties(clients, pool, test, y_test)
         K = clients.num_clients
         states = [ct.init_party(k, K, X, y, pools[k], self.optimizer, self.fit_steps)
@@ -298,7 +302,8 @@ class CoTraining(FederatedMethod):
 
     def _result(self, state: RunState, history: dict[str, np.ndarray],
                 rejected: list) -> CoTrainingResult:
-        return CoTrainingResult(history=history, client_names=self._names, rejected=rejected,
+        return CoTrainingResult(history=history, client_names=self._started(state).names,
+                                rejected=rejected,
                                 settings=self.settings,
                                 parties=tuple(ct.unstack(state.clients)), data=self._data,
                                 messages=list(self._messages), test=self._test,

@@ -1,9 +1,10 @@
 """``EP``: federated expectation propagation on a NumPyro model (Vehtari et al. 2020).
 
-PVI's front (:class:`fedppl.PVI`) with EP's client step: each client samples its tilted
-distribution ``cavity * likelihood^alpha`` with NUTS and sends the change of its Gaussian site
-(see :mod:`fedppl.algorithms.ep`). The server, the message checks, the round log and the result
-are PVI's.
+A front of its own that composes PVI's pieces (:mod:`fedppl.infer.variational`: the set-up and
+checks of the guide, the initial states, the history row, the result) with EP's client step:
+each client samples its tilted distribution ``cavity * likelihood^alpha`` with NUTS and sends
+the change of its Gaussian site (see :mod:`fedppl.algorithms.ep`). The server, the message
+checks, the round log and the result are PVI's.
 
 Example (Bayesian linear regression, the tilted moments in closed form, so one undamped round is
 the exact posterior; ``tilted="nuts"``, the default, samples them)::
@@ -31,12 +32,37 @@ import jax.numpy as jnp
 import numpy as np
 from jax import Array
 
-from fedppl.algorithms import conjugate, ep, pvi
+from fedppl import validation
+from fedppl.algorithms import conjugate, ep, pvi, solvers
+from fedppl.algorithms.trio import Trio
 from fedppl.clients import Clients
+from fedppl.families import gaussian as g
 from fedppl.guides.pvi_guide import PVIGuide
 from fedppl.handlers.client import client
-from fedppl.infer.base import RunState
-from fedppl.infer.variational import PVI, PVIResult, check_clients
+from fedppl.infer.base import (
+    FederatedMethod,
+    Plan,
+    RunState,
+    StopRule,
+    check_rounds,
+    check_tol,
+    shared,
+)
+from fedppl.infer.variational import (
+    SOLVERS,
+    PVIResult,
+    Static,
+    elbo_fn,
+    flat_factors,
+    initial_states,
+    kl_tol_rule,
+    message_bytes,
+    record,
+    result,
+    set_up,
+    start_log,
+)
+from fedppl.model_call import positional
 from fedppl.runtime.embedded import SCHEDULES
 
 __all__ = ["EP", "EPResult"]
@@ -74,7 +100,7 @@ class EPResult(PVIResult):
     client_stats: ClassVar[tuple[str, ...]] = ("rhat", "ess", "mc_error")
 
 
-class EP(PVI):
+class EP(FederatedMethod):
     """Expectation propagation over the global sites of a NumPyro model.
 
     :param model: an ordinary NumPyro model (as for :class:`fedppl.PVI`), with any prior: a
@@ -137,6 +163,7 @@ class EP(PVI):
     name = "EP"
     # the bar: how far q moved and the largest change of a client's site (its message)
     progress: ClassVar[tuple[str, ...]] = ("elbo", "kl_change", "site_change:max")
+    tol_objective: ClassVar[str | None] = "kl_change"
 
     def __init__(self, model: Callable, guide: PVIGuide, schedule: str = "synchronous",
                  damping: float | str | Callable[[Array], Array] = "decaying", *,
@@ -172,30 +199,38 @@ class EP(PVI):
             raise ValueError(f"estimator must be one of {ESTIMATORS}, got {estimator!r}")
         if not max_rhat > 1:
             raise ValueError(f"max_rhat must be > 1, got {max_rhat}")
-        super().__init__(model, guide, schedule, first, conjugate=False,
-                         elbo_samples=elbo_samples, clients_per_round=clients_per_round,
-                         shrink_warning=shrink_warning, line_search=False,
-                         max_divergence=max_divergence)
+        # PVI's checks of the settings EP shares with it (the same errors)
+        validation.pvi_settings(first, False, "natural-gradient", SOLVERS, None, None, None,
+                                shrink_warning, max_divergence)
+        if clients_per_round is not None and clients_per_round < 1:
+            raise ValueError(f"clients_per_round must be positive, got {clients_per_round}")
+        self.model = positional(model)  # data arguments may be keyword-only
+        self.guide = guide
+        self.schedule = schedule
+        self.damping = float(first)
         self.ep_damping = damping
-        self._rho: float | Callable[[Array], Array] = first
         self.alpha = float(alpha)
         self.tilted = tilted
         self.num_warmup, self.num_samples = int(num_warmup), int(num_samples)
         self.num_chains, self.dense_mass = int(num_chains), bool(dense_mass)
         self.max_rhat, self.chain_method = float(max_rhat), chain_method
         self.estimator = estimator
+        self.elbo_samples = int(elbo_samples)
+        self.clients_per_round = clients_per_round
+        self.shrink_warning = float(shrink_warning)
+        self.max_divergence = float(max_divergence)
+        self.privacy = None  # EP has no private variant (a Flower node asks)
 
-    def _prepare(self, clients: Clients, model_kwargs: dict) -> tuple[PVIGuide, _Share | None]:
-        """The guide set up for these clients, and each client's share of the prior's
-        correction (None for a Gaussian prior)."""
-        guide = self.guide.setup(*clients.client(0), **model_kwargs)
-        check_clients(guide, clients, model_kwargs)
-        correction = guide.prior_correction
-        return guide, None if correction is None else _Share(correction, 1 / clients.num_clients)
+    def init_factors(self, num_clients: int) -> g.Gaussian:
+        """Flat sites ``t_k = 1`` for every client (q starts at the prior)."""
+        return flat_factors(self.guide.prior_or_raise(), num_clients)
 
-    def _solver(self, clients: Clients, model: Callable, model_kwargs: dict):
-        guide, share = self._prepare(clients, model_kwargs)
-        layout = guide._require_setup()
+    # -- the plan ------------------------------------------------------------------------------
+
+    def _tilted_solver(self, model: Callable, guide: PVIGuide, share: _Share | None,
+                       clients: Clients) -> ep.TiltedSolver:
+        """The clients' tilted-moment step: NUTS, or the closed form (``tilted="exact"``)."""
+        layout = guide.layout_or_raise()
         if self.tilted == "exact":
             if share is not None:
                 raise ValueError("tilted='exact' needs a prior that is Gaussian in the "
@@ -206,46 +241,41 @@ class EP(PVI):
             if why is not None:
                 raise ValueError(f"tilted='exact' needs a Gaussian likelihood affine in the "
                                  f"global sites: {why}")
-            self._ep_solver: ep.TiltedSolver = ep.ExactTilted(model, guide)
-        else:
-            ep.check_draws(self.num_samples * self.num_chains, layout.dim)
-            self._ep_solver = ep.TiltedNUTS(model, guide, self.num_warmup, self.num_samples,
-                                            self.num_chains, self.dense_mass,
-                                            max_rhat=self.max_rhat,
-                                            chain_method=self.chain_method, prior_share=share,
-                                            estimator=self.estimator)
-        return cast(pvi.LocalSolver, self._ep_solver), None
+            return ep.ExactTilted(model, guide)
+        ep.check_draws(self.num_samples * self.num_chains, layout.dim)
+        return ep.TiltedNUTS(model, guide, self.num_warmup, self.num_samples, self.num_chains,
+                             self.dense_mass, max_rhat=self.max_rhat,
+                             chain_method=self.chain_method, prior_share=share,
+                             estimator=self.estimator)
 
-    def _setup(self, rng_key: Array, clients: Clients, factors=None, resume=None,
-               **model_kwargs: Any):
-        _, schedule, server, cstates = super()._setup(rng_key, clients, factors, resume,
-                                                      **model_kwargs)
-        solver, damping, K = self._ep_solver, self.ep_damping, clients.num_clients
-        key = ("ep", solver, damping, K if isinstance(damping, str) else None)
-        if key not in self._compiled:
-            rho = (damping if not isinstance(damping, str) else
-                   ep.decaying_damping(0.5, 0.1, 0.9) if self.estimator == "stein" else
-                   ep.decaying_damping(0.5, min(1.0 / K, 0.2), 0.8))  # ep-stan's, K clients
-            self._compiled[key] = (ep.make_trio(solver, rho, self.guide._require_prior(),
-                                                alpha=self.alpha, schedule=self.schedule,
-                                                max_divergence=self.max_divergence), rho)
-        trio, self._rho = self._compiled[key]
-        return trio, schedule, server, cstates
+    def _plan(self, rng_key: Array, clients: Clients, *, data_at_server: bool = True,
+              factors: g.Gaussian | None = None, resume: PVIResult | None = None,
+              **model_kwargs: Any) -> Plan:
+        model = solvers.bind(self.model, model_kwargs)
+        guide = set_up(self.guide, clients, model_kwargs)
+        solver = self._tilted_solver(model, guide, prior_share(guide, clients.num_clients),
+                                     clients)
+        K = clients.num_clients
+        server, cstates = initial_states(guide, K, factors, resume, False)
+        damping = self.ep_damping
+        trio, rho = shared(_ep_trio, solver, damping, self.estimator,
+                           K if isinstance(damping, str) else None, guide, self.alpha,
+                           self.schedule, self.max_divergence)
+        static = ep_static(self, guide, model, solver, clients, rho=rho)
+        return Plan(trio, self.schedule, server, cstates, ep_record, ep_result,
+                    log=start_log(K), rng_key=rng_key, static=static)
 
-    def _record(self, before, after, msgs, steps, active, rng_key) -> dict[str, Any]:
-        row = super()._record(before, after, msgs, steps, active, rng_key)
-        for name in ("rhat", "ess", "mc_error"):
-            row[name] = np.where(active, np.asarray(getattr(msgs, name), float), np.nan)
-        delta = [np.abs(np.asarray(x)).reshape(len(active), -1).max(axis=1)
-                 for x in (msgs.delta.nat1, msgs.delta.prec)]
-        row["site_change"] = np.where(active, np.maximum(*delta), np.nan)
-        rho = self._rho
-        row["damping"] = float(rho(jnp.asarray(before.server.round)) if callable(rho) else rho)
-        return row
+    def _message_bytes(self, msgs: Any) -> int:
+        return message_bytes(msgs)
 
-    def _result(self, state, history, rejected) -> EPResult:
-        res = super()._result(state, history, rejected)
-        return EPResult(**{f.name: getattr(res, f.name) for f in fields(res)})
+    def _broadcast_bytes(self, server: pvi.ServerState) -> int:
+        return g.num_bytes(server.q)
+
+    def _refused(self, replies: Array, active: np.ndarray) -> np.ndarray:
+        return np.asarray(replies) <= 0
+
+    def _tol_rule(self, tol: float | None) -> StopRule | None:
+        return kl_tol_rule(tol)
 
     # -- the damping schedule, checked before it is applied ------------------------------------
 
@@ -273,18 +303,84 @@ class EP(PVI):
                              f"{values[i]:.6g} at round {first_round + 1 + i // per_round} "
                              f"(the server's counter {start + i})")
 
-    def run(self, rng_key: Array, clients: Clients, num_rounds: int, **kwargs: Any
-            ) -> EPResult:
+    # -- running -------------------------------------------------------------------------------
+
+    def init(self, rng_key: Array, clients: Clients, factors: g.Gaussian | None = None, *,
+             resume: PVIResult | None = None, runtime: Any = None,
+             **model_kwargs: Any) -> RunState:
+        """As :meth:`fedppl.PVI.init`: the tilted solver, the initial sites (``factors`` or
+        ``resume``'s, else flat) and the clients' private guides."""
+        return super().init(rng_key, clients, runtime=runtime, factors=factors, resume=resume,
+                            **model_kwargs)
+
+    def run(self, rng_key: Array, clients: Clients, num_rounds: int, *,
+            progress_bar: bool = True, factors: g.Gaussian | None = None,
+            tol: float | None = None, resume: PVIResult | None = None, runtime: Any = None,
+            **model_kwargs: Any) -> EPResult:
         """As :meth:`fedppl.PVI.run`; a damping function is checked at every round first."""
         if callable(self.ep_damping) and isinstance(clients, Clients):
             rounds = num_rounds if isinstance(num_rounds, int) and num_rounds > 0 else 0
             self._check_damping(self.ep_damping, 0, rounds,
                                 self._updates_per_round(clients.num_clients), 0)
-        return cast(EPResult, super().run(rng_key, clients, num_rounds, **kwargs))
+        num_rounds = check_rounds(num_rounds)
+        stop = kl_tol_rule(check_tol(tol, self.name, self.tol_objective is not None))
+        state = self.init(rng_key, clients, factors, resume=resume, runtime=runtime,
+                          **model_kwargs)
+        return cast(EPResult, self._loop(state, num_rounds, progress_bar, stop))
 
     def update(self, state: RunState) -> tuple[RunState, dict[str, Any]]:
         """One round, its damping checked before it is applied."""
-        if callable(self._rho):
+        rho = self._started(state).static.rho
+        if callable(rho):
             per_round = self._updates_per_round(int(state.masks.shape[0]))
-            self._check_damping(self._rho, int(state.server.round), 1, per_round, state.round)
+            self._check_damping(rho, int(state.server.round), 1, per_round, state.round)
         return super().update(state)
+
+
+def prior_share(guide: PVIGuide, num_clients: int) -> _Share | None:
+    """Each client's share of the prior's correction (None for a Gaussian prior)."""
+    if guide.prior_correction is None:
+        return None
+    return _Share(solvers.PriorCorrection(guide), 1 / num_clients)
+
+
+def ep_static(method: Any, guide: PVIGuide, model: Callable, solver: Any, clients: Clients, *,
+            rho: Any = None, one_shot: str | None = None) -> Static:
+    """PVI's static part for a run with a tilted solver (its ELBO, if any, by draws)."""
+    S = method.elbo_samples
+    elbo = shared(elbo_fn, solver, model, None, guide, S) if S > 0 else None
+    return Static(guide, model, elbo, np.asarray(clients.sizes), None, None,
+                  method.shrink_warning, rho=rho, one_shot=one_shot)
+
+
+def _ep_trio(solver: ep.TiltedSolver, damping: Any, estimator: str, K: int | None,
+             guide: PVIGuide, alpha: float, schedule: str, max_divergence: float
+             ) -> tuple[Trio, Any]:
+    """EP's trio and its damping (a number or a function of the round), made once per
+    settings and guide through :func:`fedppl.infer.base.shared` (its round compiles once)."""
+    rho = (damping if not isinstance(damping, str) else
+           ep.decaying_damping(0.5, 0.1, 0.9) if estimator == "stein" else
+           ep.decaying_damping(0.5, min(1.0 / cast(int, K), 0.2), 0.8))  # ep-stan's, K clients
+    return ep.make_trio(solver, rho, guide.prior_or_raise(), alpha=alpha, schedule=schedule,
+                        max_divergence=max_divergence), rho
+
+
+def ep_record(before: RunState, after: RunState, msgs: Any, steps: Array, active: np.ndarray,
+            rng_key: Array) -> tuple[Any, dict[str, Any]]:
+    """PVI's history row with EP's columns."""
+    log, row = record(before, after, msgs, steps, active, rng_key)
+    for name in ("rhat", "ess", "mc_error"):
+        row[name] = np.where(active, np.asarray(getattr(msgs, name), float), np.nan)
+    delta = [np.abs(np.asarray(x)).reshape(len(active), -1).max(axis=1)
+             for x in (msgs.delta.nat1, msgs.delta.prec)]
+    row["site_change"] = np.where(active, np.maximum(*delta), np.nan)
+    assert after.plan is not None  # a started run's state
+    rho = after.plan.static.rho
+    row["damping"] = float(rho(jnp.asarray(before.server.round)) if callable(rho) else rho)
+    return log, row
+
+
+def ep_result(state: RunState, history: dict[str, np.ndarray],
+            rejected: list[tuple[int, str, str]]) -> EPResult:
+    res = result(state, history, rejected)
+    return EPResult(**{f.name: getattr(res, f.name) for f in fields(res)})

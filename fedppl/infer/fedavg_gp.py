@@ -51,7 +51,7 @@ from fedppl.algorithms import fsgp as alg
 from fedppl.clients import Clients
 from fedppl.dp_statistics import PrivateStatistics
 from fedppl.infer import _gp_checks as chk
-from fedppl.infer.base import FederatedMethod, Result, RunState, num_bytes
+from fedppl.infer.base import FederatedMethod, Result, RunState, num_bytes, shared
 
 __all__ = ["FSGP", "FSGPConfig", "FSGPResult", "INIT_INDUCING"]
 
@@ -200,7 +200,8 @@ class FSGP(FederatedMethod):
         self._trios: dict[tuple, Any] = {}
         self._phase = alg.TRAIN
 
-    def init(self, rng_key: Array, clients: Clients, **kwargs: Any) -> RunState:
+    def init(self, rng_key: Array, clients: Clients, *, runtime: Any = None,
+             **kwargs: Any) -> RunState:
         """Check the clients' ``(X, y)`` and set up the run. ``Z`` is drawn with the first half
         of ``jax.random.split(rng_key)`` (the key stream of the original ``fit_fsgp``)."""
         if kwargs:
@@ -212,11 +213,11 @@ class FSGP(FederatedMethod):
                              f"number of training points N = {total}; use M <= N (a sparse GP "
                              "needs M < N)")
         z_key = jax.random.split(check.rng_key(rng_key))[0]
-        return super().init(rng_key, clients, z_key=z_key)
+        return super().init(rng_key, clients, z_key=z_key, runtime=runtime)
 
     def _setup(self, rng_key: Array, clients: Clients, **kwargs: Any):
         cfg, z_key = self.config, kwargs["z_key"]
-        if not self.data_at_server and cfg.init_inducing != "random-normal":
+        if not kwargs.get("data_at_server", True) and cfg.init_inducing != "random-normal":
             raise ValueError(f"init_inducing={cfg.init_inducing!r} draws the inducing inputs from "
                              "the pooled data, which a deployment's server does not hold: use "
                              "init_inducing='random-normal'")
@@ -228,8 +229,8 @@ class FSGP(FederatedMethod):
             self._sigma = cfg.privacy.noise_multiplier_for(1)
             mechanism = cfg.privacy.mechanism(self._sigma)
         spec = (int(cfg.local_steps), float(cfg.jitter), mechanism)
-        if spec not in self._trios:
-            self._trios[spec] = alg.make_trio(cfg.optimizer, *spec)
+        if spec not in self._trios:  # one per settings in a process
+            self._trios[spec] = shared(alg.make_trio, cfg.optimizer, *spec)
         self._phase = alg.TRAIN
         return self._trios[spec], "synchronous", alg.init(params), ()
 
@@ -245,7 +246,7 @@ class FSGP(FederatedMethod):
             state, info = self.update(state._replace(server=server))
         finally:
             self._phase = alg.TRAIN
-        return state, {**info, "refused": list(self._refused_now)}
+        return state, {**info, "refused": list(state.log.refused)}
 
     # -- the front's hooks ---------------------------------------------------------------------
 
@@ -253,14 +254,15 @@ class FSGP(FederatedMethod):
         return ~np.asarray(replies, bool)
 
     def _record(self, before, after, msgs, replies, active, rng_key) -> dict[str, Any]:
-        refused = [self._names[k] for k in np.nonzero(active & ~np.asarray(replies, bool))[0]]
+        plan = self._started(after)
+        refused = [plan.names[k] for k in np.nonzero(active & ~np.asarray(replies, bool))[0]]
         what = "parameters" if self._phase == alg.TRAIN else "statistics"
         if refused:
             warnings.warn(f"FSGP server rejected {what} from {', '.join(refused)}; they were not "
                           "used", RuntimeWarning, stacklevel=4)
         if self._phase != alg.TRAIN:
             return {}
-        if not self.data_at_server:
+        if not plan.data_at_server:
             return {"bound": np.nan}
         X, y = after.data
         bounds = _bounds(after.server.params, X, y, after.masks, float(self.config.jitter))
@@ -283,7 +285,7 @@ class FSGP(FederatedMethod):
         keep = ("seconds", "messages_up", "messages_down", "bytes_up", "bytes_down", "rejected")
         return FSGPResult(params=state.server.params, stats=state.server.stats,
                           jitter=float(self.config.jitter), history=history,
-                          client_names=self._names, rejected=rejected,
+                          client_names=self._started(state).names, rejected=rejected,
                           aggregation={k: info[k] for k in keep},
                           privacy=self._privacy_result(state, info))
 
@@ -291,9 +293,10 @@ class FSGP(FederatedMethod):
         privacy = self.config.privacy
         if privacy is None:
             return None
-        out = privacy.report(self._sigma, np.ones(len(self._names), int))
+        K = len(self._started(state).names)
+        out = privacy.report(self._sigma, np.ones(K, int))
         # the sum carries the noise of every client whose statistics the server added
-        out["stat_noise_var"] = (len(self._names) - len(info["refused"])) * out["noise_std"]**2
+        out["stat_noise_var"] = (K - len(info["refused"])) * out["noise_std"]**2
         out["repaired"] = int(state.server.repaired)
         return out
 

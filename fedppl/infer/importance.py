@@ -135,7 +135,7 @@ class ImportanceResult(Result):
         """Draws resampled by their weights, constrained, keyed by site name (repeats where few
         draws carry the weight: read ``ess`` beside them)."""
         idx = imp.resample(rng_key, self.log_weights, num_samples)
-        return self.guide._require_setup().constrain(jnp.asarray(self.draws[idx]))
+        return self.guide.layout_or_raise().constrain(jnp.asarray(self.draws[idx]))
 
     def loo(self):
         """Leave-one-client-out cross-validation as an ``arviz_stats.ELPDData``
@@ -181,7 +181,7 @@ class ImportanceResult(Result):
         num_samples = arviz.check_num_samples(num_samples)
         key = jax.random.key(0) if rng_key is None else rng_key
         idx = imp.resample(key, self.log_weights, num_samples)
-        draws = self.guide._require_setup().constrain(jnp.asarray(self.draws[idx]))
+        draws = self.guide.layout_or_raise().constrain(jnp.asarray(self.draws[idx]))
         return arviz.from_dict(
             {"posterior": {k: arviz.as_chains(v) for k, v in draws.items()},
              "log_likelihood": {"clients": arviz.as_chains(self.log_lik[:, idx].T)}},
@@ -274,8 +274,8 @@ class Importance:
             raise TypeError(f"clients must be a fedppl.Clients (see fedppl.partition), got "
                             f"{type(clients).__name__}")
         guide = self.guide
-        if guide._signature is not None:
-            want = [shape[1:] for shape in guide._signature[0]]
+        if guide.signature is not None:
+            want = [shape[1:] for shape in guide.signature[0]]
             got = [np.shape(a)[1:] for a in clients.client(0)]
             if want != got:
                 raise ValueError(f"the clients' arrays have trailing shapes {got}, the answer "
@@ -283,7 +283,7 @@ class Importance:
         guide.setup(*clients.client(0), **model_kwargs)
         check_clients(guide, clients, model_kwargs)
         _refuse_subsampling(self.model, clients.client(0), model_kwargs)
-        layout = guide._require_setup()
+        layout = guide.layout_or_raise()
         if layout.dim != self.start.nat1.shape[-1]:
             raise ValueError(f"with these clients the model has {layout.dim} global "
                              f"coordinates, the answer {self.start.nat1.shape[-1]}")
@@ -443,13 +443,13 @@ def _compiled(model: Callable, guide: PVIGuide, model_kwargs: dict, local_draws:
               newton_steps: int, batch_size: int):
     """The compiled exchange and the server's log prior, shared by every check of the same
     model, guide and settings."""
-    key = (model, id(guide), guide._signature, repr(sorted(model_kwargs.items())), local_draws,
+    key = (model, id(guide), guide.signature, repr(sorted(model_kwargs.items())), local_draws,
            newton_steps, batch_size)
     if key not in _CACHE:
         bound = partial(model, **model_kwargs) if model_kwargs else model
         trio = imp.make_trio(imp.client_log_lik(bound, guide, local_draws, newton_steps,
                                                 batch_size))
-        prior, correction = guide._require_prior(), guide.prior_correction
+        prior, correction = guide.prior_or_raise(), guide.prior_correction
 
         @jax.jit
         def log_prior(draws):

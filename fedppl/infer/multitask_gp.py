@@ -38,7 +38,7 @@ from jax import Array
 from fedppl import validation as v
 from fedppl.algorithms import pfedmul as pm
 from fedppl.clients import Clients
-from fedppl.infer.base import FederatedMethod, Result, RunState
+from fedppl.infer.base import FederatedMethod, Result, RunState, shared
 from fedppl.models import mogp
 from fedppl.models.mogp import Data, Hyper, MOGPSpec
 from fedppl.models.networks import MLP
@@ -223,7 +223,7 @@ class PFedMul(FederatedMethod):
                         "server_optimizer"),
             v.optimizer(vi_optimizer if vi_optimizer is not None else optax.adam(5e-2),
                         "vi_optimizer"))
-        self._trio = pm.make_trio(self.config)
+        self._trio = shared(pm.make_trio, self.config)  # one per config in a process
 
     def single_task(self, task: int, hyper: Hyper) -> PFedMul:
         """pFed-St: the same settings on task ``task`` alone, one latent GP, ``W = 1`` fixed,
@@ -239,7 +239,8 @@ class PFedMul(FederatedMethod):
 
     # -- the front's hooks ---------------------------------------------------------------------
 
-    def init(self, rng_key: Array, clients: Clients, **kwargs: Any) -> RunState:
+    def init(self, rng_key: Array, clients: Clients, *, runtime: Any = None,
+             **kwargs: Any) -> RunState:
         """Check the clients' rows, draw each client's inducing inputs and set up the states.
 
         The key splits as pFed-Mul's reference code did: the first half draws the inducing
@@ -248,10 +249,11 @@ class PFedMul(FederatedMethod):
             raise TypeError(f"unexpected keyword arguments {sorted(kwargs)}")
         clients = _check_clients(self.spec, self.hyper, clients)
         k_inducing, k_rounds = jax.random.split(v.rng_key(rng_key))
-        state = super().init(rng_key, clients, inducing_key=k_inducing)
+        state = super().init(rng_key, clients, inducing_key=k_inducing, runtime=runtime)
         return state._replace(rng_key=k_rounds)
 
-    def _setup(self, rng_key: Array, clients: Clients, inducing_key: Array):
+    def _setup(self, rng_key: Array, clients: Clients, inducing_key: Array,
+               data_at_server: bool = True):
         sizes = clients.sizes
         M = min(self.num_inducing, int(sizes.min()))
         if self.num_inducing > M and np.any(sizes < self.num_inducing) and \
@@ -287,10 +289,12 @@ class PFedMul(FederatedMethod):
                 "client_elbo": np.where(active, elbo, np.nan),
                 "exact_elbo": float(_exact_elbo(self.spec, after.clients, after.data,
                                                 after.masks))
-                if self.data_at_server else np.nan}  # a deployment's server holds no data
+                if self._started(after).data_at_server
+                else np.nan}  # a deployment's server holds no data
 
     def _result(self, state: RunState, history, rejected) -> PFedMulResult:
-        return PFedMulResult(history=history, client_names=self._names, rejected=rejected,
+        return PFedMulResult(history=history, client_names=self._started(state).names,
+                             rejected=rejected,
                              spec=self.spec, hyper=state.server.hyper, clients=state.clients,
                              data=state.data, masks=state.masks)
 

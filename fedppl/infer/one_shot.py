@@ -30,12 +30,21 @@ from typing import Any, ClassVar, cast
 import numpy as np
 from jax import Array
 
-from fedppl.algorithms import ep, one_shot, pvi
+from fedppl.algorithms import ep, one_shot, pvi, solvers
+from fedppl.algorithms.trio import Trio
 from fedppl.clients import Clients
 from fedppl.families import gaussian as g
 from fedppl.guides.pvi_guide import PVIGuide
-from fedppl.infer.ep import EP, EPResult
-from fedppl.infer.variational import PVI, PVIResult
+from fedppl.infer.base import FederatedMethod, Plan, RunState, shared
+from fedppl.infer.ep import EP, EPResult, ep_record, ep_static, prior_share
+from fedppl.infer.variational import (
+    PVIResult,
+    initial_states,
+    message_bytes,
+    result,
+    set_up,
+    start_log,
+)
 
 __all__ = ["OneShot", "OneShotResult"]
 
@@ -51,7 +60,7 @@ class OneShotResult(EPResult):
     draws: Array | None = None
 
 
-class OneShot(EP):
+class OneShot(FederatedMethod):
     """One round in which every client sends a Gaussian approximation of its subposterior.
 
     :param model, guide: as for :class:`fedppl.EP` (any prior: one that is not Gaussian in the
@@ -65,6 +74,7 @@ class OneShot(EP):
     """
 
     name = "one-shot"
+    schedule = "synchronous"
     # the bar (one round): how far q moved from the prior, the largest site (message)
     progress: ClassVar[tuple[str, ...]] = ("kl_change", "site_change:max")
     tol_objective: ClassVar[str | None] = None  # one round: nothing to stop early
@@ -78,67 +88,104 @@ class OneShot(EP):
             raise ValueError(f"method must be one of {one_shot.METHODS}, got {method!r}")
         if int(laplace_steps) != laplace_steps or laplace_steps < 1:
             raise ValueError(f"laplace_steps must be a whole number >= 1, got {laplace_steps}")
-        super().__init__(model, guide, "synchronous", 1.0, num_warmup=num_warmup,
-                         num_samples=num_samples, num_chains=num_chains, dense_mass=dense_mass,
-                         max_rhat=max_rhat, chain_method=chain_method,
-                         max_divergence=max_divergence)
+        # EP's checks of the sampler's settings (the same errors)
+        self._ep = EP(model, guide, "synchronous", 1.0, num_warmup=num_warmup,
+                      num_samples=num_samples, num_chains=num_chains, dense_mass=dense_mass,
+                      max_rhat=max_rhat, chain_method=chain_method,
+                      max_divergence=max_divergence)
+        self.model, self.guide = self._ep.model, guide
+        self.num_warmup, self.num_samples = self._ep.num_warmup, self._ep.num_samples
+        self.num_chains, self.dense_mass = self._ep.num_chains, self._ep.dense_mass
+        self.max_rhat, self.chain_method = self._ep.max_rhat, chain_method
+        self.max_divergence = self._ep.max_divergence
+        self.elbo_samples, self.shrink_warning = 0, self._ep.shrink_warning
         self.method, self.laplace_steps = method, int(laplace_steps)
-        self._merged: Array | None = None  # consensus: the server's merged draws
+        self.privacy = None  # no private variant (a Flower node asks)
 
-    def _solver(self, clients: Clients, model: Callable, model_kwargs: dict):
-        guide, share = self._prepare(clients, model_kwargs)
+    def _solver(self, model: Callable, guide: PVIGuide, clients: Clients) -> ep.TiltedSolver:
+        share = prior_share(guide, clients.num_clients)
         if self.method == "laplace":
-            self._ep_solver: ep.TiltedSolver = one_shot.TiltedLaplace(
-                model, guide, self.laplace_steps, prior_share=share)
-        else:
-            ep.check_draws(self.num_samples * self.num_chains, guide._require_setup().dim)
-            self._ep_solver = ep.TiltedNUTS(
-                model, guide, self.num_warmup, self.num_samples, self.num_chains,
-                self.dense_mass, max_rhat=self.max_rhat, chain_method=self.chain_method,
-                prior_share=share, keep_draws=self.method == "consensus")
-        return cast(pvi.LocalSolver, self._ep_solver), None
+            return one_shot.TiltedLaplace(model, guide, self.laplace_steps, prior_share=share)
+        ep.check_draws(self.num_samples * self.num_chains, guide.layout_or_raise().dim)
+        return ep.TiltedNUTS(model, guide, self.num_warmup, self.num_samples, self.num_chains,
+                             self.dense_mass, max_rhat=self.max_rhat,
+                             chain_method=self.chain_method, prior_share=share,
+                             keep_draws=self.method == "consensus")
 
-    def _setup(self, rng_key: Array, clients: Clients, factors=None, resume=None,
-               **model_kwargs: Any):
+    def _plan(self, rng_key: Array, clients: Clients, *, data_at_server: bool = True,
+              factors: g.Gaussian | None = None, resume: PVIResult | None = None,
+              **model_kwargs: Any) -> Plan:
         if factors is not None or resume is not None:
             raise ValueError("a one-shot merge starts from the prior: no factors or resume")
-        _, schedule, server, cstates = PVI._setup(self, rng_key, clients, **model_kwargs)
-        key = ("one-shot", self._ep_solver, clients.num_clients)
-        if key not in self._compiled:
-            self._compiled[key] = one_shot.make_trio(self._ep_solver, self.guide._require_prior(),
-                                                     clients.num_clients,
-                                                     max_divergence=self.max_divergence)
-        self._rho, self._merged = 1.0, None
-        return self._compiled[key], schedule, server, cstates
-
-    def _record(self, before, after, msgs, steps, active, rng_key) -> dict[str, Any]:
-        row = super()._record(before, after, msgs, steps, active, rng_key)
-        if self.method == "consensus":  # the server's merge of the clients' draws
-            sent = np.asarray(active) & np.asarray(msgs.converged, bool)
-            self._merged = one_shot.consensus_draws(msgs.draws[np.nonzero(sent)[0]], rng_key)
-        return row
+        model = solvers.bind(self.model, model_kwargs)
+        guide = set_up(self.guide, clients, model_kwargs)
+        solver = self._solver(model, guide, clients)
+        K = clients.num_clients
+        server, cstates = initial_states(guide, K, None, None, False)
+        trio = shared(_one_shot_trio, solver, guide, K, self.max_divergence)
+        static = ep_static(self, guide, model, solver, clients, rho=1.0, one_shot=self.method)
+        return Plan(trio, self.schedule, server, cstates, _record, _result, log=start_log(K),
+                    rng_key=rng_key, static=static)
 
     def _message_bytes(self, msgs) -> int:
         extra = 0 if msgs.draws is None else msgs.draws[0].nbytes
-        return super()._message_bytes(msgs) + extra
+        return message_bytes(msgs) + extra
+
+    def _broadcast_bytes(self, server: pvi.ServerState) -> int:
+        return g.num_bytes(server.q)
+
+    def _refused(self, replies: Array, active: np.ndarray) -> np.ndarray:
+        return np.asarray(replies) <= 0
+
+    def init(self, rng_key: Array, clients: Clients, factors: g.Gaussian | None = None, *,
+             resume: PVIResult | None = None, runtime: Any = None,
+             **model_kwargs: Any) -> RunState:
+        """Set up the round (keyword arguments are the model's)."""
+        return super().init(rng_key, clients, runtime=runtime, factors=factors, resume=resume,
+                            **model_kwargs)
 
     def run(self, rng_key: Array, clients: Clients, num_rounds: int = 1, *,
-            progress_bar: bool = True, **model_kwargs: Any) -> OneShotResult:
+            progress_bar: bool = True, runtime: Any = None,
+            **model_kwargs: Any) -> OneShotResult:
         """The one round (``num_rounds`` must be 1); keyword arguments are the model's."""
         if num_rounds != 1:
             raise ValueError(f"a one-shot method runs one round, got num_rounds={num_rounds}")
-        return cast(OneShotResult, super().run(rng_key, clients, 1, progress_bar=progress_bar,
-                                               **model_kwargs))
+        state = self.init(rng_key, clients, runtime=runtime, **model_kwargs)
+        return cast(OneShotResult, self._loop(state, 1, progress_bar))
 
-    def _result(self, state, history, rejected) -> OneShotResult:
-        res: PVIResult = super()._result(state, history, rejected)
-        out = OneShotResult(**{f.name: getattr(res, f.name) for f in fields(res)},
-                            method=self.method)
-        if self._merged is not None:
-            n = self._merged.shape[0]
-            mean = self._merged.mean(axis=0)
-            centred = self._merged - mean
-            fit = g.FullGaussian.from_moments(mean, centred.T @ centred / (n - 1))
-            out.q = g.project_diag(fit) if self.guide.diag else fit
-            out.draws = self._merged
-        return out
+
+def _one_shot_trio(solver: ep.TiltedSolver, guide: PVIGuide, num_clients: int,
+                   max_divergence: float) -> Trio:
+    """The one-shot trio (made once per settings and guide through
+    :func:`fedppl.infer.base.shared`: its round compiles once)."""
+    return one_shot.make_trio(solver, guide.prior_or_raise(), num_clients,
+                              max_divergence=max_divergence)
+
+
+def _record(before: RunState, after: RunState, msgs: Any, steps: Array, active: np.ndarray,
+            rng_key: Array) -> tuple[Any, dict[str, Any]]:
+    """EP's history row; a consensus merge's draws (the server's) kept in the log."""
+    log, row = ep_record(before, after, msgs, steps, active, rng_key)
+    assert after.plan is not None  # a started run's state
+    if after.plan.static.one_shot == "consensus":  # the server's merge of the clients' draws
+        sent = np.asarray(active) & np.asarray(msgs.converged, bool)
+        log = log._replace(merged=one_shot.consensus_draws(msgs.draws[np.nonzero(sent)[0]],
+                                                           rng_key))
+    return log, row
+
+
+def _result(state: RunState, history: dict[str, np.ndarray],
+            rejected: list[tuple[int, str, str]]) -> OneShotResult:
+    assert state.plan is not None  # a started run's state
+    res: PVIResult = result(state, history, rejected)
+    guide, merged = state.plan.static.guide, state.log.method.merged
+    out = OneShotResult(**{f.name: getattr(res, f.name) for f in fields(res)},
+                        method=state.plan.static.one_shot)
+    if merged is not None:
+        n = merged.shape[0]
+        mean = merged.mean(axis=0)
+        centred = merged - mean
+        fit = g.FullGaussian.from_moments(mean, centred.T @ centred / (n - 1))
+        out.q = g.project_diag(fit) if guide.diag else fit
+        out.draws = merged
+    return out

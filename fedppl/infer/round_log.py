@@ -6,10 +6,12 @@ one tick per round, a quantity the method has (PVI's ``elbo`` and ``kl_change``,
 its last round (``tol``, a method's own stopping rule), one line that stays once the bar has
 gone, naming the round and the criterion.
 
-:class:`RoundLog` is PVI's account of each round: refused and shrunk updates, repaired
+:func:`report` is PVI's account of each round: refused and shrunk updates, repaired
 cavities, unconverged local steps and (once) a collapse of q's uncertainty, each naming the
-clients; the refusals are kept for the result. The Pyro port's front uses it too: it reads
-the messages and Gaussians as NumPy arrays (JAX arrays, or torch tensors detached first).
+clients; the refusals are kept for the result in a :class:`RoundRecord` that each round
+replaces (it travels in the run's state). :class:`RoundLog` keeps the record on an object for
+the Pyro port's front; both read the messages and Gaussians as NumPy arrays (JAX arrays, or
+torch tensors detached first).
 """
 
 from __future__ import annotations
@@ -18,14 +20,14 @@ import math
 import sys
 import warnings
 from collections.abc import Mapping, Sequence
-from typing import Any
+from typing import Any, NamedTuple
 
 import numpy as np
 from tqdm.auto import tqdm
 
 from fedppl.algorithms import pvi
 
-__all__ = ["RoundLog", "Progress", "postfix"]
+__all__ = ["RoundLog", "RoundRecord", "report", "Progress", "postfix"]
 
 
 def postfix(info: Mapping[str, Any], keys: Sequence[str]) -> dict[str, str]:
@@ -86,10 +88,66 @@ class Progress:
                        f"{stopped}", file=sys.stderr)
 
 
+class RoundRecord(NamedTuple):
+    """PVI's account of a run so far, replaced (never changed) by :func:`report`: the refused
+    updates ``(round, client, reason)``, the local steps that did not converge ``(round,
+    client)``, and whether the collapse of q's uncertainty has been reported."""
+
+    rejected: tuple[tuple[int, str, str], ...] = ()
+    unconverged: tuple[tuple[int, str], ...] = ()
+    shrink_warned: bool = False
+
+
+def report(record: RoundRecord, names: Sequence[str], shrink_factor: float, r: int,
+           steps: np.ndarray, msgs: Any, active: np.ndarray, q_old: Any, q_new: Any
+           ) -> RoundRecord:
+    """Round ``r + 1``'s server outcome as warnings naming the clients (refused or shrunk
+    updates, repaired cavities, unconverged local steps, once a collapse of q's uncertainty by
+    more than ``shrink_factor``), and the record with it added."""
+
+    def listed(idx) -> str:
+        return ", ".join(names[k] for k in idx)
+
+    rejected, unconverged = list(record.rejected), list(record.unconverged)
+    for code, reason in pvi.REFUSALS.items():
+        bad = np.nonzero(active & (steps == code))[0]
+        for k in bad:
+            rejected.append((r + 1, names[k], reason))
+        if len(bad):
+            _warn(f"round {r + 1}: refused the updates of {listed(bad)} ({reason}); "
+                  "their factors are unchanged")
+    shrunk = np.nonzero((steps > 0) & (steps < 1))[0]
+    if len(shrunk):
+        _warn(f"round {r + 1}: updates of {listed(shrunk)} applied with step "
+              f"{steps[shrunk].min():.3g} to keep q positive definite (and, with the line "
+              "search, the global ELBO from dropping)")
+    fixed = np.nonzero(active & np.asarray(msgs.cavity_repaired))[0]
+    if len(fixed):
+        _warn(f"round {r + 1}: cavities of {listed(fixed)} were not positive definite and "
+              "were repaired (eigenvalues clipped)")
+    slow = np.nonzero(active & ~np.asarray(msgs.converged, bool))[0]
+    for k in slow:
+        unconverged.append((r + 1, names[k]))
+    if len(slow) and hasattr(msgs, "rhat"):  # EP: a sampler that did not mix
+        rhat = np.asarray(msgs.rhat)[slow]
+        _warn(f"round {r + 1}: the chains of {listed(slow)} did not mix (largest split "
+              f"r-hat {np.nanmax(rhat):.3g}); their updates were skipped"
+              + ("; no client moved q, and the next round samples the same cavities: raise "
+                 "num_warmup or num_samples, start from other factors (a one-shot's or "
+                 "PVI's), or raise max_rhat" if len(slow) == int(np.sum(active)) else ""))
+    elif len(slow):
+        iters = np.asarray(msgs.iterations)[slow]
+        _warn(f"round {r + 1}: the local steps of {listed(slow)} did not converge (after "
+              f"{int(iters.max())} iterations); their updates were applied as they are")
+    warned = record.shrink_warned
+    if r > 0 and not warned:
+        warned = _check_shrink(names, shrink_factor, r, q_old, q_new, msgs, steps)
+    return RoundRecord(tuple(rejected), tuple(unconverged), warned)
+
+
 class RoundLog:
-    """Turns each round's server outcome into warnings and records, naming the clients: rejected
-    or shrunk updates, repaired cavities, local steps that did not converge, and (once) a round in
-    which q's uncertainty collapsed."""
+    """:func:`report` with its record kept on the object (the Pyro port's front): ``rejected``,
+    ``unconverged`` and ``shrink_warned`` as lists and a flag."""
 
     def __init__(self, names: tuple[str, ...], shrink_factor: float):
         self.names = names
@@ -98,62 +156,34 @@ class RoundLog:
         self.unconverged: list[tuple[int, str]] = []
         self.shrink_warned = False
 
-    def _list(self, idx) -> str:
-        return ", ".join(self.names[k] for k in idx)
-
     def report(self, r: int, steps: np.ndarray, msgs, active: np.ndarray, q_old, q_new) -> None:
-        for code, reason in pvi.REFUSALS.items():
-            bad = np.nonzero(active & (steps == code))[0]
-            for k in bad:
-                self.rejected.append((r + 1, self.names[k], reason))
-            if len(bad):
-                _warn(f"round {r + 1}: refused the updates of {self._list(bad)} ({reason}); "
-                      "their factors are unchanged")
-        shrunk = np.nonzero((steps > 0) & (steps < 1))[0]
-        if len(shrunk):
-            _warn(f"round {r + 1}: updates of {self._list(shrunk)} applied with step "
-                  f"{steps[shrunk].min():.3g} to keep q positive definite (and, with the line "
-                  "search, the global ELBO from dropping)")
-        fixed = np.nonzero(active & np.asarray(msgs.cavity_repaired))[0]
-        if len(fixed):
-            _warn(f"round {r + 1}: cavities of {self._list(fixed)} were not positive definite and "
-                  "were repaired (eigenvalues clipped)")
-        slow = np.nonzero(active & ~np.asarray(msgs.converged, bool))[0]
-        for k in slow:
-            self.unconverged.append((r + 1, self.names[k]))
-        if len(slow) and hasattr(msgs, "rhat"):  # EP: a sampler that did not mix
-            rhat = np.asarray(msgs.rhat)[slow]
-            _warn(f"round {r + 1}: the chains of {self._list(slow)} did not mix (largest split "
-                  f"r-hat {np.nanmax(rhat):.3g}); their updates were skipped"
-                  + ("; no client moved q, and the next round samples the same cavities: raise "
-                     "num_warmup or num_samples, start from other factors (a one-shot's or "
-                     "PVI's), or raise max_rhat" if len(slow) == int(np.sum(active)) else ""))
-        elif len(slow):
-            iters = np.asarray(msgs.iterations)[slow]
-            _warn(f"round {r + 1}: the local steps of {self._list(slow)} did not converge (after "
-                  f"{int(iters.max())} iterations); their updates were applied as they are")
-        if r > 0 and not self.shrink_warned:
-            self._check_shrink(r, q_old, q_new, msgs, steps)
+        record = report(RoundRecord(tuple(self.rejected), tuple(self.unconverged),
+                                    self.shrink_warned), self.names, self.shrink_factor, r,
+                        steps, msgs, active, q_old, q_new)
+        self.rejected, self.unconverged = list(record.rejected), list(record.unconverged)
+        self.shrink_warned = record.shrink_warned
 
-    def _check_shrink(self, r, q_old, q_new, msgs, steps) -> None:
-        sd_old, sd_new = _marginal_sds(q_old), _marginal_sds(q_new)
-        ratio = sd_new / sd_old
-        worst, geo = float(np.min(ratio)), float(np.exp(np.mean(np.log(ratio))))
-        if worst >= 1 / self.shrink_factor and geo >= 1 / self.shrink_factor:
-            return
-        self.shrink_warned = True
-        # each client's own pull: the largest relative rise its delta gives a diagonal precision
-        prec_old = np.asarray(q_old.prec)
-        dprec = np.asarray(msgs.delta.prec)
-        if dprec.ndim == 3:
-            prec_old, dprec = np.diagonal(prec_old), np.diagonal(dprec, axis1=1, axis2=2)
-        pull = np.max(np.maximum(np.asarray(steps), 0.0)[:, None] * dprec / prec_old, axis=1)
-        top = np.argsort(-pull)[:5]
-        top = top[pull[top] > 0]
-        _warn(f"round {r + 1}: q's uncertainty collapsed (a marginal sd fell to {worst:.3g} of "
-              f"its value, the geometric mean of the sds to {geo:.3g}); the updates that shrink "
-              f"it most are from {self._list(top) or 'no single client'}. This is the first such "
-              "round; later ones are not reported")
+
+def _check_shrink(names, shrink_factor, r, q_old, q_new, msgs, steps) -> bool:
+    """Warn if q's uncertainty collapsed this round; whether it did."""
+    sd_old, sd_new = _marginal_sds(q_old), _marginal_sds(q_new)
+    ratio = sd_new / sd_old
+    worst, geo = float(np.min(ratio)), float(np.exp(np.mean(np.log(ratio))))
+    if worst >= 1 / shrink_factor and geo >= 1 / shrink_factor:
+        return False
+    # each client's own pull: the largest relative rise its delta gives a diagonal precision
+    prec_old = np.asarray(q_old.prec)
+    dprec = np.asarray(msgs.delta.prec)
+    if dprec.ndim == 3:
+        prec_old, dprec = np.diagonal(prec_old), np.diagonal(dprec, axis1=1, axis2=2)
+    pull = np.max(np.maximum(np.asarray(steps), 0.0)[:, None] * dprec / prec_old, axis=1)
+    top = np.argsort(-pull)[:5]
+    top = top[pull[top] > 0]
+    _warn(f"round {r + 1}: q's uncertainty collapsed (a marginal sd fell to {worst:.3g} of "
+          f"its value, the geometric mean of the sds to {geo:.3g}); the updates that shrink "
+          f"it most are from {', '.join(names[k] for k in top) or 'no single client'}. This "
+          "is the first such round; later ones are not reported")
+    return True
 
 
 def _marginal_sds(q) -> np.ndarray:

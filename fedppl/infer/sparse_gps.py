@@ -41,7 +41,7 @@ from fedppl.clients import Clients
 from fedppl.families import gaussian as g
 from fedppl.guides.sgp_guide import Pseudo
 from fedppl.infer import _gp_checks as chk
-from fedppl.infer.base import FederatedMethod, Result, RunState, num_bytes
+from fedppl.infer.base import FederatedMethod, Plan, Result, RunState, num_bytes, shared
 
 __all__ = ["FederatedSGP", "SGPConfig", "SGPResult", "METHODS"]
 
@@ -239,11 +239,11 @@ class FederatedSGP(FederatedMethod):
         self.optimizer = self.config.optimizer
         sync = self.config.schedule == "synchronous" and method != "global"
         self.schedule = "synchronous" if sync else "sequential"
-        self._trios: dict[sgp_pvi.Spec, Any] = {}
 
     # -- set-up --------------------------------------------------------------------------------
 
-    def init(self, rng_key: Array, clients: Clients, **kwargs: Any) -> RunState:
+    def init(self, rng_key: Array, clients: Clients, *, runtime: Any = None,
+             **kwargs: Any) -> RunState:
         """Check the clients' data (``(X, y)`` per client) against the settings and set up the
         run (``"global"`` pools the clients first)."""
         if kwargs:
@@ -259,7 +259,7 @@ class FederatedSGP(FederatedMethod):
         if self.method == "global":
             clients = clients.pooled()
         _check_against_data(cfg, clients, self.method)
-        return super().init(rng_key, clients)
+        return super().init(rng_key, clients, runtime=runtime)
 
     def _spec(self, D: int) -> sgp_pvi.Spec:
         cfg, method = self.config, self.method
@@ -274,11 +274,13 @@ class FederatedSGP(FederatedMethod):
                             int(cfg.num_samples), float(cfg.damping), D,
                             shared_draws=int(cfg.shared_draws))
 
-    def _setup(self, rng_key: Array, clients: Clients, **kwargs: Any):
+    def _plan(self, rng_key: Array, clients: Clients, *, data_at_server: bool = True,
+              **kwargs: Any) -> Plan:
+        rng_key, k_setup = jax.random.split(rng_key)
         X_stack, y_stack = (np.asarray(a) for a in clients.stacked)
         D = X_stack.shape[2]
         spec = self._spec(D)
-        if not self.data_at_server:  # a deployment's server holds no data to set up from
+        if not data_at_server:  # a deployment's server holds no data to set up from
             if self.method == "global":
                 raise ValueError("global VI fits the pooled data in one place; it does not run "
                                  "on a federation")
@@ -286,14 +288,13 @@ class FederatedSGP(FederatedMethod):
                 raise ValueError("pseudo_init='data' draws each client's pseudo-inputs from its "
                                  "data at the set-up, which a deployment's server does not "
                                  "hold: use pseudo_init='prior'")
-        state = _initial_state(self.method, spec, self.config, clients, rng_key)
-        if spec not in self._trios:
-            self._trios[spec] = sgp_pvi.make_trio(spec, self.optimizer)
-        self._run_spec = spec
+        state = _initial_state(self.method, spec, self.config, clients, k_setup)
+        trio = shared(sgp_pvi.make_trio, spec, self.optimizer)
         mask = np.asarray(clients.mask)
-        self._flat = (jnp.asarray(X_stack.reshape(-1, D)), jnp.asarray(y_stack.reshape(-1)),
-                      jnp.asarray(mask.reshape(-1)))
-        return self._trios[spec], self.schedule, state, sgp_pvi.ClientState()
+        flat = (jnp.asarray(X_stack.reshape(-1, D)), jnp.asarray(y_stack.reshape(-1)),
+                jnp.asarray(mask.reshape(-1)))
+        return Plan(trio, self.schedule, state, sgp_pvi.ClientState(), self._row, self._result,
+                    rng_key=rng_key, static=_Static(spec, flat))
 
     # -- the front's hooks ---------------------------------------------------------------------
 
@@ -312,22 +313,23 @@ class FederatedSGP(FederatedMethod):
     def _refused(self, replies: Array, active: np.ndarray) -> np.ndarray:
         return ~np.asarray(replies, bool)
 
-    def _record(self, before, after, msgs, replies, active, rng_key) -> dict[str, Any]:
-        refused = [self._names[k] for k in np.nonzero(active & ~np.asarray(replies, bool))[0]]
+    def _row(self, before, after, msgs, replies, active, rng_key) -> tuple[None, dict[str, Any]]:
+        plan = self._started(after)
+        spec, flat = plan.static
+        refused = [plan.names[k] for k in np.nonzero(active & ~np.asarray(replies, bool))[0]]
         if refused:
             warnings.warn(f"round {after.round}: rejected non-finite or improper updates from "
                           f"{refused}; their factors are unchanged", RuntimeWarning, stacklevel=4)
         K = len(active)
         comms = after.round * (K if self.schedule == "synchronous" else 1)
-        fe = (_free_energy_jit(self._run_spec, after.server, *self._flat, rng_key,
-                               FREE_ENERGY_SAMPLES)
-              if self.data_at_server else np.nan)  # a deployment's server holds no data
-        return {"free_energy": float(fe),
-                "local_free_energy": np.where(active, np.asarray(msgs.free_energy), np.nan),
-                "communications": comms, "passes": comms / K}
+        fe = (_free_energy_jit(spec, after.server, *flat, rng_key, FREE_ENERGY_SAMPLES)
+              if plan.data_at_server else np.nan)  # a deployment's server holds no data
+        return None, {"free_energy": float(fe),
+                      "local_free_energy": np.where(active, np.asarray(msgs.free_energy), np.nan),
+                      "communications": comms, "passes": comms / K}
 
     def _message_bytes(self, msgs: sgp_pvi.Message) -> int:
-        spec, one = self._run_spec, jax.tree_util.tree_map(lambda x: x[0], msgs)
+        spec, one = self._spec(0), jax.tree_util.tree_map(lambda x: x[0], msgs)
         sent = [one.pseudo]
         sent += [g.num_bytes(one.t_beta)] if spec.learn_hyper else []
         sent += [g.num_bytes(one.t_z)] if spec.z_mode == "hvm" else []
@@ -335,8 +337,18 @@ class FederatedSGP(FederatedMethod):
         return sum(s if isinstance(s, int) else num_bytes(s) for s in sent)
 
     def _result(self, state: RunState, history, rejected) -> SGPResult:
-        return SGPResult(method=self.method, state=state.server, spec=self._run_spec,
-                         history=history, client_names=self._names, rejected=rejected)
+        return SGPResult(method=self.method, state=state.server,
+                         spec=self._started(state).static.spec,
+                         history=history, client_names=self._started(state).names,
+                         rejected=rejected)
+
+
+class _Static(NamedTuple):
+    """A run's static part (``plan.static``): its spec, and the pooled rows the server's free
+    energy reads."""
+
+    spec: sgp_pvi.Spec
+    flat: tuple
 
 
 # -- checks and the initial state ----------------------------------------------------------------

@@ -22,11 +22,11 @@ Example (logistic regression on 4 clients, against the pooled fit it converges t
 
 from __future__ import annotations
 
+import copy
 import warnings
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from functools import partial
-from typing import Any, ClassVar
+from typing import Any, ClassVar, NamedTuple, cast
 
 import jax
 import jax.numpy as jnp
@@ -35,25 +35,27 @@ import optax
 from jax import Array
 
 from fedppl import validation
-from fedppl.algorithms import conjugate, natural_gradient, polya_gamma, pvi
+from fedppl.algorithms import conjugate, natural_gradient, polya_gamma, pvi, solvers
 from fedppl.algorithms.dp_pvi import DPLocalAveraging, DPOptimisation, DPVirtualParties
 from fedppl.algorithms.natural_gradient import PriorSolver
+from fedppl.algorithms.trio import Trio
 from fedppl.clients import Clients
 from fedppl.families import gaussian as g
 from fedppl.guides.pvi_guide import PVIGuide
 from fedppl.handlers.client import client
 from fedppl.infer.base import (
     FederatedMethod,
+    Plan,
     Result,
     RunState,
     StopRule,
     check_rounds,
     check_tol,
+    shared,
 )
-from fedppl.infer.round_log import RoundLog
+from fedppl.infer.round_log import RoundRecord, report
 from fedppl.model_call import positional
 from fedppl.runtime.embedded import SCHEDULES
-from fedppl.sites import curvature
 
 __all__ = ["PVI", "GlobalVI", "PVIResult"]
 
@@ -257,7 +259,7 @@ class PVI(FederatedMethod):
         self.schedule = schedule
         self.damping = float(damping)
         self.solver = solver
-        self.optimizer = (optax.adam(1e-2) if optimizer is None
+        self.optimizer = (solvers.DEFAULT_OPTIMIZER if optimizer is None
                           else validation.optimizer(optimizer))
         self.local_steps = None if local_steps is None else int(local_steps)
         self.num_particles = None if num_particles is None else int(num_particles)
@@ -278,124 +280,40 @@ class PVI(FederatedMethod):
         self.privacy = privacy
         self.line_search = privacy is None if line_search is None else bool(line_search)
         self.max_divergence = float(max_divergence)
-        self._compiled: dict = {}  # trio and ELBO function per solver, reused by later runs
         self._pooled = False  # GlobalVI: one client, the prior correction in its likelihood
 
-    # -- set-up --------------------------------------------------------------------------------
-
-    def _solver(self, clients: Clients, model: Callable, model_kwargs: dict
-                ) -> tuple[pvi.LocalSolver, PriorSolver | None]:
-        """The clients' local solver and (for a prior that is not Gaussian) the server's."""
-        data = tuple(a[0] for a in clients.stacked)
-        self.guide.setup(*clients.client(0), **model_kwargs)
-        has_local = self.guide.local_layout is not None
-        if self.conjugate == "polya-gamma" and self.guide.local_layout is None:
-            polya_gamma.validate(model, self.guide, clients)  # its own, more specific errors
-        check_clients(self.guide, clients, model_kwargs)
-        correction = self.guide.prior_correction
-        fold_prior = self._pooled and correction is not None
-
-        def opt(value, default):
-            return default if value is None else value
-
-        S, iters = opt(self.num_particles, 128), opt(self.local_steps, 100)
-        tol = opt(self.local_tol, 1e-10)
-        prior_solver = None
-        if correction is not None and not fold_prior:
-            prior_solver = PriorSolver(correction, S, iters, tol,
-                                       hessian=curvature(self.guide.layout))
-        reason = None
-        if has_local:
-            reason = "the model has local latent sites"
-        elif fold_prior:
-            reason = "the prior is not Gaussian (GlobalVI folds it into the likelihood)"
-        if self.privacy is not None and self.conjugate in (True, "polya-gamma"):
-            raise ValueError(f"conjugate={self.conjugate!r} is not available with privacy=: a "
-                             "private run's local step is DP optimisation")
-        if self.conjugate == "polya-gamma":
-            if reason:
-                raise ValueError(f"conjugate='polya-gamma' is not available: {reason}")
-            polya_gamma.validate(model, self.guide, clients)
-            return (polya_gamma.PolyaGammaSolver(model, self.guide, opt(self.local_steps, 200),
-                                                 opt(self.local_tol, 1e-10)), prior_solver)
-        if self.conjugate is not False and reason is None and self.privacy is None:
-            why = conjugate.check(client(model, mask=clients.mask[0]), self.guide.layout, *data)
-            if why is None:
-                return pvi.ConjugateSolver(model, self.guide), prior_solver
-            if self.conjugate is True:
-                raise ValueError(f"conjugate=True but the model is not conjugate: {why}")
-        elif self.conjugate is True:
-            raise ValueError(f"conjugate=True is not available: {reason}")
-        if self.privacy is not None:
-            if reason:
-                raise ValueError(f"privacy= is not available: {reason}")
-            steps, particles = opt(self.local_steps, 200), opt(self.num_particles, 8)
-            self._sigma, self._dp_steps = self.privacy.calibrated(np.asarray(clients.sizes),
-                                                                  steps), steps
-            return (self.privacy.solver(model, self.guide, self.optimizer, steps, particles,
-                                        self._sigma), prior_solver)
-        if self.solver == "optax":
-            if reason:
-                raise ValueError(f"solver='optax' is not available: {reason}; use the default "
-                                 "natural-gradient solver")
-            return (pvi.VariationalSolver(model, self.guide, self.optimizer,
-                                          opt(self.local_steps, 200), opt(self.num_particles, 8),
-                                          opt(self.local_tol, 1e-4)), prior_solver)
-        return (pvi.NaturalGradientSolver(model, self.guide, S, iters, tol,
-                                          extra=correction if fold_prior else None,
-                                          hessian=curvature(self.guide.layout)
-                                          if fold_prior else "pointwise"), prior_solver)
+    def _settings(self) -> solvers.Settings:
+        return solvers.Settings(self.conjugate, self.solver, self.optimizer, self.local_steps,
+                                self.num_particles, self.local_tol, self.privacy, self._pooled)
 
     def init_factors(self, num_clients: int) -> g.Gaussian:
         """Flat factors ``t_k = 1`` for every client (q starts at the prior)."""
-        zero = g.zeros_like(self.guide.prior)
-        return jax.tree_util.tree_map(lambda x: jnp.broadcast_to(x, (num_clients, *x.shape)),
-                                      zero)
+        return flat_factors(self.guide.prior_or_raise(), num_clients)
 
-    # -- the front's hooks ---------------------------------------------------------------------
+    # -- the plan ------------------------------------------------------------------------------
 
-    def _setup(self, rng_key: Array, clients: Clients, factors: g.Gaussian | None = None,
-               resume: PVIResult | None = None, **model_kwargs: Any):
-        model = partial(self.model, **model_kwargs) if model_kwargs else self.model
-        solver, prior_solver = self._solver(clients, model, model_kwargs)
-        K = clients.num_clients
-        if resume is not None:
-            factors = resume.factors
-        factors = self.init_factors(K) if factors is None else g.strong(factors)
-        want = self.init_factors(K)
-        if jax.tree_util.tree_map(jnp.shape, factors) != jax.tree_util.tree_map(jnp.shape, want):
-            raise ValueError(
-                "the factors to resume from do not fit this model and these clients: shapes "
-                f"{jax.tree_util.tree_map(jnp.shape, factors)}, expected "
-                f"{jax.tree_util.tree_map(jnp.shape, want)} (a different number of clients or "
-                "of features?)")
-        t0 = None
-        if prior_solver is not None:
-            t0 = (resume.prior_factor if resume is not None and resume.prior_factor is not None
-                  else g.zeros_like(self.guide.prior))
-        server = pvi.init(self.guide.prior, factors, t0)
-        local = self.guide.init_local()
-        if local is not None:
-            local = (resume.local if resume is not None and resume.local is not None else
-                     jax.tree_util.tree_map(lambda x: jnp.broadcast_to(x, (K, *x.shape)), local))
-        key = (solver, prior_solver)
-        if key not in self._compiled:
-            trio = pvi.make_trio(solver, self.damping, self.guide.prior,
-                                 prior_solver=prior_solver, line_search=self.line_search,
-                                 schedule=self.schedule, max_divergence=self.max_divergence)
-            elbo = self._elbo_fn(solver, model, prior_solver) if self.elbo_samples > 0 else None
-            self._compiled[key] = (trio, elbo)
-        trio, self._elbo = self._compiled[key]
-        self._model_as_run = model
-        self._log = RoundLog(clients.names, self.shrink_warning)
-        self._sizes = np.asarray(clients.sizes)
-        self._dp_rounds = np.zeros(K, int)  # rounds each client took part in
-        parties = (self.privacy.split(factors) if isinstance(self.privacy, DPVirtualParties)
-                   else None)
-        return trio, self.schedule, server, pvi.ClientState(factors, local, parties)
+    def _plan(self, rng_key: Array, clients: Clients, *, data_at_server: bool = True,
+              factors: g.Gaussian | None = None, resume: PVIResult | None = None,
+              **model_kwargs: Any) -> Plan:
+        model = solvers.bind(self.model, model_kwargs)
+        guide = set_up(self.guide, clients, model_kwargs, polya_gamma_model=(
+            model if self.conjugate == "polya-gamma" else None))
+        choice = solvers.choose_solver(self._settings(), model, guide, clients)
+        server, cstates = initial_states(guide, clients.num_clients, factors, resume,
+                                         choice.prior is not None)
+        if isinstance(self.privacy, DPVirtualParties):
+            cstates = cstates._replace(parties=self.privacy.split(cstates.factor))
+        trio = shared(_pvi_trio, choice.local, self.damping, guide, choice.prior,
+                      self.line_search, self.schedule, self.max_divergence)
+        elbo = (shared(elbo_fn, choice.local, model, choice.prior, guide, self.elbo_samples)
+                if self.elbo_samples > 0 else None)
+        static = Static(guide, model, elbo, np.asarray(clients.sizes), choice.calibration,
+                        self.privacy, self.shrink_warning)
+        return Plan(trio, self.schedule, server, cstates, record, result,
+                    log=start_log(clients.num_clients), rng_key=rng_key, static=static)
 
     def _message_bytes(self, msgs: pvi.ClientMessage) -> int:
-        return g.num_bytes(jax.tree_util.tree_map(lambda x: x[0], msgs.delta))
+        return message_bytes(msgs)
 
     def _broadcast_bytes(self, server: pvi.ServerState) -> int:
         return g.num_bytes(server.q)
@@ -403,122 +321,256 @@ class PVI(FederatedMethod):
     def _refused(self, replies: Array, active: np.ndarray) -> np.ndarray:
         return np.asarray(replies) <= 0
 
-    def _record(self, before, after, msgs, steps, active, rng_key) -> dict[str, Any]:
-        q_old, q_new = before.server.q, after.server.q
-        self._log.report(after.round - 1, np.asarray(steps), msgs, active, q_old, q_new)
-        row = {"free_energy": np.where(active, np.asarray(msgs.free_energy), np.nan),
-               "converged": np.where(active, np.asarray(msgs.converged, float), np.nan),
-               "local_iterations": np.where(active, np.asarray(msgs.iterations, float), np.nan),
-               "step": np.where(active, np.maximum(np.asarray(steps, float), 0.0), np.nan),
-               "kl_change": float(_kl_change(q_new, q_old))}
-        row["elbo"] = np.nan
-        if self.privacy is not None:
-            self._dp_rounds += np.asarray(active, bool)
-            row["epsilon"] = self._epsilon()
-        elif self._elbo is not None and self.data_at_server:
-            row["elbo"] = float(self._elbo(after.server, after.clients, after.data, after.masks,
-                                           rng_key))
-        return row
-
-    def _result(self, state, history, rejected) -> PVIResult:
-        return PVIResult(guide=self.guide, q=state.server.q, factors=state.clients.factor,
-                         history=history, rejected=self._log.rejected, client_names=self._names,
-                         unconverged=self._log.unconverged, local=state.clients.local,
-                         prior_factor=state.server.prior_factor, model=self._model_as_run,
-                         privacy=self._privacy_report())
-
-    def _epsilon(self) -> np.ndarray:
-        assert self.privacy is not None
-        return self.privacy.spent(self._sigma, self._dp_rounds, self._sizes, self._dp_steps)
-
-    def _privacy_report(self) -> dict[str, Any] | None:
-        if self.privacy is None:
-            return None
-        eps = self._epsilon()
-        return {"epsilon": dict(zip(self._names, eps.tolist(), strict=True)),
-                "worst_epsilon": float(eps.max()), "delta": self.privacy.delta,
-                "noise_multiplier": self._sigma, "clip": self.privacy.clip}
-
-    def _elbo_fn(self, solver: pvi.LocalSolver, model: Callable,
-                 prior_solver: PriorSolver | None):
-        """Jitted global ELBO ``sum_k E_q[log p(y_k, z_k | theta)] + H[q(z_k | theta)] +
-        E_q[prior correction] - KL(q || p~)`` with fresh draws (in closed form for a conjugate
-        model)."""
-        guide, S = self.guide, self.elbo_samples
-
-        if isinstance(solver, pvi.ConjugateSolver):
-
-            def per_client(q, data_k, mask_k, local_k, key):
-                lik = conjugate.likelihood_terms(client(model, mask=mask_k), guide.layout, *data_k)
-                mean, cov = g.to_moments(g.to_full(q))
-                return conjugate.expected_log_lik(lik, mean, cov)
-
-        else:
-
-            def per_client(q, data_k, mask_k, local_k, key):
-                log_lik = natural_gradient.log_lik_fn(model, guide, data_k, mask_k)
-                joint = q if local_k is None else g.join(q, local_k, guide.client_diag)
-                phi = g.sample(key, joint, S)
-                ll = jnp.mean(jax.vmap(log_lik)(phi, jnp.arange(S)))
-                return ll if local_k is None else ll + g.conditional_entropy(local_k)
-
-        @jax.jit
-        def elbo(state, clients, data, masks, key):
-            q = state.q
-            keys = jax.random.split(key, masks.shape[0])
-            ell = jax.vmap(per_client, in_axes=(None, 0, 0, 0, 0))(q, data, masks, clients.local,
-                                                                   keys)
-            total = jnp.sum(ell) - g.kl(q, guide.prior)
-            if prior_solver is not None:
-                theta = g.sample(jax.random.fold_in(key, 1), q, S)
-                total = total + jnp.mean(jax.vmap(prior_solver.correction)(theta))
-            return total
-
-        return elbo
-
     # -- running -------------------------------------------------------------------------------
 
     def init(self, rng_key: Array, clients: Clients, factors: g.Gaussian | None = None, *,
-             resume: PVIResult | None = None, **model_kwargs: Any) -> RunState:
+             resume: PVIResult | None = None, runtime: Any = None,
+             **model_kwargs: Any) -> RunState:
         """Set up the run: the local solver, the initial factors (``factors`` or ``resume``'s, else
         flat) and the clients' private guides. Keyword arguments are the model's own static
-        keyword arguments (``n_groups=...``)."""
-        state = super().init(rng_key, clients, factors=factors, resume=resume, **model_kwargs)
-        return state._replace(rng_key=rng_key)  # PVI's set-up draws nothing: rounds use the key
+        keyword arguments (``n_groups=...``); ``runtime`` runs the rounds (None: embedded)."""
+        return super().init(rng_key, clients, runtime=runtime, factors=factors, resume=resume,
+                            **model_kwargs)
 
     def update(self, state: RunState) -> tuple[RunState, dict[str, Any]]:
-        if self.privacy is not None:  # the target's rounds are a budget
-            self.privacy.check_rounds(state.round, 1)
+        privacy = self._started(state).static.privacy
+        if privacy is not None:  # the target's rounds are a budget
+            privacy.check_rounds(state.round, 1)
         return super().update(state)
 
     def run(self, rng_key: Array, clients: Clients, num_rounds: int, *, progress_bar: bool = True,
             factors: g.Gaussian | None = None, tol: float | None = None,
-            resume: PVIResult | None = None, **model_kwargs: Any) -> PVIResult:
+            resume: PVIResult | None = None, runtime: Any = None,
+            **model_kwargs: Any) -> PVIResult:
         """Run up to ``num_rounds`` rounds of PVI; ``factors`` resumes from earlier client factors
         (``resume`` from an earlier result: its factors, prior factor and local guides).
 
         ``tol`` stops early, after the first round in which q moved by ``KL(q_new || q_old) <=
         tol`` (the ``kl_change`` history entry; the run then writes one line saying so and
-        keeps it as ``result.stopped``). Other keyword arguments are the model's own static
-        keyword arguments (``n_groups=...``), passed to every call of the model.
+        keeps it as ``result.stopped``). ``runtime`` runs the rounds (None: the embedded
+        runtime; see :class:`fedppl.infer.base.Runtime`). Other keyword arguments are the
+        model's own static keyword arguments (``n_groups=...``), passed to every call of the
+        model.
         """
         num_rounds = check_rounds(num_rounds)
-        stop = self._tol_rule(check_tol(tol, self.name, self.tol_objective is not None))
+        stop = kl_tol_rule(check_tol(tol, self.name, self.tol_objective is not None))
         if self.privacy is not None:
             self.privacy.check_rounds(0, num_rounds)
-        state = self.init(rng_key, clients, factors, resume=resume, **model_kwargs)
-        return self._loop(state, num_rounds, progress_bar, stop)
+        state = self.init(rng_key, clients, factors, resume=resume, runtime=runtime,
+                          **model_kwargs)
+        return cast(PVIResult, self._loop(state, num_rounds, progress_bar, stop))
 
     def _tol_rule(self, tol: float | None) -> StopRule | None:
-        """Stop once q moves by ``KL(q_new || q_old) <= tol`` in a round."""
-        if tol is None:
-            return None
+        return kl_tol_rule(tol)
 
-        def rule(rows: list[dict[str, Any]]) -> str | None:
-            kl = float(rows[-1]["kl_change"])
-            return f"kl_change {kl:.3g} <= tol {tol:g}" if kl <= tol else None
 
-        return rule
+# -- the pieces PVI, GlobalVI, EP and OneShot share -------------------------------------------
+
+
+class Static(NamedTuple):
+    """The static part of a Gaussian-q plan (``plan.static``): the guide as set up for the run
+    (a copy that later set-ups of the method's guide leave alone), the model as run (static
+    keyword arguments bound), the compiled global ELBO (None: none), the clients' sizes, a
+    private run's calibration and settings, the shrink warning's factor, EP's damping (a number
+    or a function of the server's round) and a one-shot's method (``"consensus"``: the server
+    merges the clients' draws)."""
+
+    guide: PVIGuide
+    model: Callable
+    elbo: Callable | None
+    sizes: np.ndarray
+    calibration: solvers.Calibration | None
+    privacy: Any
+    shrink_warning: float
+    rho: Any = None
+    one_shot: str | None = None
+
+
+class Log(NamedTuple):
+    """A Gaussian-q run's accumulators (``state.log.method``): the round log's record, the
+    rounds each client took part in (privacy accounting) and a consensus one-shot's merged
+    draws."""
+
+    rounds: RoundRecord
+    dp_rounds: np.ndarray
+    merged: Array | None = None
+
+
+def start_log(num_clients: int) -> Log:
+    return Log(RoundRecord(), np.zeros(num_clients, int))
+
+
+def set_up(guide: PVIGuide, clients: Clients, model_kwargs: dict,
+           polya_gamma_model: Callable | None = None) -> PVIGuide:
+    """``guide`` set up on client 0's data, the clients checked against the model (every
+    observation in its support, local sites of one shape), and a copy of the guide that the
+    run keeps (later set-ups of ``guide`` on other shapes leave it alone). With
+    ``polya_gamma_model``, Polya-Gamma's own checks come first (their errors say more)."""
+    guide.setup(*clients.client(0), **model_kwargs)
+    if polya_gamma_model is not None and guide.local_layout is None:
+        polya_gamma.validate(polya_gamma_model, guide, clients)
+    check_clients(guide, clients, model_kwargs)
+    return copy.copy(guide)
+
+
+def flat_factors(prior: g.Gaussian, num_clients: int) -> g.Gaussian:
+    """Flat factors ``t_k = 1`` for ``num_clients`` clients, stacked."""
+    zero = g.zeros_like(prior)
+    return jax.tree_util.tree_map(lambda x: jnp.broadcast_to(x, (num_clients, *x.shape)), zero)
+
+
+def initial_states(guide: PVIGuide, K: int, factors: g.Gaussian | None,
+                   resume: PVIResult | None, prior_factor: bool
+                   ) -> tuple[pvi.ServerState, pvi.ClientState]:
+    """The server's and the clients' first states: the factors (``factors`` or ``resume``'s,
+    checked against the model's shapes, else flat), the server's prior factor (``resume``'s, or
+    flat) where ``prior_factor``, and the clients' private guides."""
+    prior = guide.prior_or_raise()
+    if resume is not None:
+        factors = resume.factors
+    want = flat_factors(prior, K)
+    factors = want if factors is None else g.strong(factors)
+    if jax.tree_util.tree_map(jnp.shape, factors) != jax.tree_util.tree_map(jnp.shape, want):
+        raise ValueError(
+            "the factors to resume from do not fit this model and these clients: shapes "
+            f"{jax.tree_util.tree_map(jnp.shape, factors)}, expected "
+            f"{jax.tree_util.tree_map(jnp.shape, want)} (a different number of clients or "
+            "of features?)")
+    t0 = None
+    if prior_factor:
+        t0 = (resume.prior_factor if resume is not None and resume.prior_factor is not None
+              else g.zeros_like(prior))
+    local = guide.init_local()
+    if local is not None:
+        local = (resume.local if resume is not None and resume.local is not None else
+                 jax.tree_util.tree_map(lambda x: jnp.broadcast_to(x, (K, *x.shape)), local))
+    return pvi.init(prior, factors, t0), pvi.ClientState(factors, local)
+
+
+def record(before: RunState, after: RunState, msgs: Any, steps: Array, active: np.ndarray,
+           rng_key: Array) -> tuple[Log, dict[str, Any]]:
+    """A round's history columns (``free_energy``, ``converged``, ``local_iterations``,
+    ``step``, ``kl_change``, ``elbo``, a private run's ``epsilon``) and the accumulators after
+    it (the round log warns here, naming the clients)."""
+    plan = after.plan
+    assert plan is not None  # a started run's state
+    st, log = plan.static, after.log.method
+    q_old, q_new = before.server.q, after.server.q
+    steps = np.asarray(steps)
+    rounds = report(log.rounds, plan.names, st.shrink_warning, after.round - 1, steps, msgs,
+                    active, q_old, q_new)
+    row = {"free_energy": np.where(active, np.asarray(msgs.free_energy), np.nan),
+           "converged": np.where(active, np.asarray(msgs.converged, float), np.nan),
+           "local_iterations": np.where(active, np.asarray(msgs.iterations, float), np.nan),
+           "step": np.where(active, np.maximum(np.asarray(steps, float), 0.0), np.nan),
+           "kl_change": float(_kl_change(q_new, q_old))}
+    row["elbo"] = np.nan
+    dp_rounds = log.dp_rounds
+    if st.privacy is not None:
+        dp_rounds = dp_rounds + np.asarray(active, bool)
+        row["epsilon"] = _epsilon(st, dp_rounds)
+    elif st.elbo is not None and plan.data_at_server:
+        row["elbo"] = float(st.elbo(after.server, after.clients, after.data, after.masks,
+                                    rng_key))
+    return log._replace(rounds=rounds, dp_rounds=dp_rounds), row
+
+
+def result(state: RunState, history: dict[str, np.ndarray],
+           rejected: list[tuple[int, str, str]]) -> PVIResult:
+    """The result of a run that ended in ``state`` (the refusals are the round log's)."""
+    plan = state.plan
+    assert plan is not None  # a started run's state
+    st, log = plan.static, state.log.method
+    return PVIResult(guide=st.guide, q=state.server.q, factors=state.clients.factor,
+                     history=history, rejected=list(log.rounds.rejected),
+                     client_names=plan.names, unconverged=list(log.rounds.unconverged),
+                     local=state.clients.local, prior_factor=state.server.prior_factor,
+                     model=st.model, privacy=_privacy_report(st, log, plan.names))
+
+
+def message_bytes(msgs: Any) -> int:
+    """Bytes of one client's factor update (messages stacked on the client axis)."""
+    return g.num_bytes(jax.tree_util.tree_map(lambda x: x[0], msgs.delta))
+
+
+def kl_tol_rule(tol: float | None) -> StopRule | None:
+    """``run(..., tol=)``: stop once q moves by ``KL(q_new || q_old) <= tol`` in a round."""
+    if tol is None:
+        return None
+
+    def rule(rows: list[dict[str, Any]]) -> str | None:
+        kl = float(rows[-1]["kl_change"])
+        return f"kl_change {kl:.3g} <= tol {tol:g}" if kl <= tol else None
+
+    return rule
+
+
+def _epsilon(st: Static, dp_rounds: np.ndarray) -> np.ndarray:
+    assert st.privacy is not None and st.calibration is not None
+    return st.privacy.spent(st.calibration.sigma, dp_rounds, st.sizes, st.calibration.steps)
+
+
+def _privacy_report(st: Static, log: Log, names: tuple[str, ...]) -> dict[str, Any] | None:
+    if st.privacy is None:
+        return None
+    assert st.calibration is not None  # calibrated with the solver
+    eps = _epsilon(st, log.dp_rounds)
+    return {"epsilon": dict(zip(names, eps.tolist(), strict=True)),
+            "worst_epsilon": float(eps.max()), "delta": st.privacy.delta,
+            "noise_multiplier": st.calibration.sigma, "clip": st.privacy.clip}
+
+
+# -- compiled once per (model, guide, settings) ----------------------------------------------
+
+
+def _pvi_trio(solver: pvi.LocalSolver, damping: float, guide: PVIGuide,
+              prior_solver: PriorSolver | None, line_search: bool, schedule: str,
+              max_divergence: float) -> Trio:
+    """PVI's trio (made once per settings and guide through :func:`fedppl.infer.base.shared`,
+    so one round, compiled once: see :func:`fedppl.infer.base.embedded_round`)."""
+    return pvi.make_trio(solver, damping, guide.prior_or_raise(), prior_solver=prior_solver,
+                         line_search=line_search, schedule=schedule,
+                         max_divergence=max_divergence)
+
+
+def elbo_fn(solver: pvi.LocalSolver, model: Callable, prior_solver: PriorSolver | None,
+             guide: PVIGuide, S: int) -> Callable:
+    """Jitted global ELBO ``sum_k E_q[log p(y_k, z_k | theta)] + H[q(z_k | theta)] +
+    E_q[prior correction] - KL(q || p~)`` with ``S`` fresh draws (in closed form for a
+    conjugate model); made once per solver, model and guide through
+    :func:`fedppl.infer.base.shared`."""
+    prior = guide.prior_or_raise()
+
+    if isinstance(solver, pvi.ConjugateSolver):
+
+        def per_client(q, data_k, mask_k, local_k, key):
+            lik = conjugate.likelihood_terms(client(model, mask=mask_k), guide.layout, *data_k)
+            mean, cov = g.to_moments(g.to_full(q))
+            return conjugate.expected_log_lik(lik, mean, cov)
+
+    else:
+
+        def per_client(q, data_k, mask_k, local_k, key):
+            log_lik = natural_gradient.log_lik_fn(model, guide, data_k, mask_k)
+            joint = q if local_k is None else g.join(q, local_k, guide.client_diag)
+            phi = g.sample(key, joint, S)
+            ll = jnp.mean(jax.vmap(log_lik)(phi, jnp.arange(S)))
+            return ll if local_k is None else ll + g.conditional_entropy(local_k)
+
+    @jax.jit
+    def elbo(state, clients, data, masks, key):
+        q = state.q
+        keys = jax.random.split(key, masks.shape[0])
+        ell = jax.vmap(per_client, in_axes=(None, 0, 0, 0, 0))(q, data, masks, clients.local,
+                                                               keys)
+        total = jnp.sum(ell) - g.kl(q, prior)
+        if prior_solver is not None:
+            theta = g.sample(jax.random.fold_in(key, 1), q, S)
+            total = total + jnp.mean(jax.vmap(prior_solver.correction)(theta))
+        return total
+
+    return elbo
+
 
 def check_clients(guide: PVIGuide, clients: Clients, model_kwargs: dict) -> None:
     """Before anything is compiled: every client's observations lie in their likelihood's

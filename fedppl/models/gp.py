@@ -25,8 +25,8 @@ import optax
 from jax import Array
 
 from fedppl import validation
-from fedppl.algorithms.optimise import minimise
 from fedppl.models.kernels import SEParams
+from fedppl.optimise import minimise
 
 __all__ = ["GPParams", "init_params", "kernel", "neg_log_marginal", "fit", "predict"]
 

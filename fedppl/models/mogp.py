@@ -57,7 +57,7 @@ from fedppl.models.networks import MLP
 __all__ = ["MOGPSpec", "Hyper", "Data", "QU", "KERNELS", "kernel", "init_hyper", "client_data",
            "multitask_clients", "sample_inducing", "projections", "prior_qu",
            "sites", "cavi_qu", "update_c", "marginals", "elbo", "exact_elbo", "noise_stats",
-           "predict", "kl_qu", "mogp_model"]
+           "predict", "kl_qu", "mogp_model", "kzz_chol"]
 
 KERNELS = ("rbf", "laplace", "cauchy", "linear")
 TASK_KINDS = ("regression", "classification")
@@ -190,8 +190,9 @@ def sample_inducing(key: Array, data: Data, num: int) -> Array:
 
 
 # ----------------------------------------------------------------------------- inference
-def _kzz_chol(spec: MOGPSpec, hyper: Hyper, H: Array) -> tuple[Array, Array]:
-    """Per-latent Gram matrices ``K_b(Z, Z)`` (+ jitter) and their Cholesky factors (B, M, M)."""
+def kzz_chol(spec: MOGPSpec, hyper: Hyper, H: Array) -> tuple[Array, Array]:
+    """Per-latent Gram matrices ``K_b(Z, Z)`` (+ jitter) and their Cholesky factors (B, M, M) at
+    the projected inducing inputs ``H = net(Z)``."""
     phi0, phi1 = jnp.exp(hyper.log_phi0), jnp.exp(hyper.log_phi1)
     K = jax.vmap(lambda a, b: kernel(spec.kernel, H, H, a, b))(phi0, phi1)
     K = K + spec.jitter * phi0[:, None, None] * jnp.eye(H.shape[0])
@@ -205,7 +206,7 @@ def projections(spec: MOGPSpec, hyper: Hyper, Z: Array, X: Array, task: Array
     ``Var[f_n | u] (N,)``, whitened rows ``Psi = Phi L`` and the factors ``L (B, M, M)``."""
     HZ, HX = hyper.net(Z), hyper.net(X)
     phi0, phi1 = jnp.exp(hyper.log_phi0), jnp.exp(hyper.log_phi1)
-    _, L = _kzz_chol(spec, hyper, HZ)
+    _, L = kzz_chol(spec, hyper, HZ)
     Kzx = jax.vmap(lambda a, b: kernel(spec.kernel, HZ, HX, a, b))(phi0, phi1)  # (B, M, N)
     half = jax.vmap(lambda l, k: jax.scipy.linalg.solve_triangular(l, k, lower=True))(L, Kzx)
     A = jax.vmap(lambda l, h: jax.scipy.linalg.solve_triangular(l.T, h, lower=False))(L, half)
@@ -225,7 +226,7 @@ def _block_diag(L: Array) -> Array:
 @partial(jax.jit, static_argnums=0)
 def prior_qu(spec: MOGPSpec, hyper: Hyper, Z: Array) -> QU:
     """``q(u) = p(u) = N(0, blockdiag K_b(Z, Z))``."""
-    K, _ = _kzz_chol(spec, hyper, hyper.net(Z))
+    K, _ = kzz_chol(spec, hyper, hyper.net(Z))
     return QU(jnp.zeros(K.shape[0] * K.shape[1]), _block_diag(K))
 
 
@@ -269,7 +270,7 @@ def update_c(spec: MOGPSpec, hyper: Hyper, Z: Array, data: Data, q: QU) -> Array
 @partial(jax.jit, static_argnums=0)
 def kl_qu(spec: MOGPSpec, hyper: Hyper, Z: Array, q: QU) -> Array:
     """``KL[q(u) || p(u)]`` with the block-diagonal prior (Eq. 18)."""
-    _, L = _kzz_chol(spec, hyper, hyper.net(Z))
+    _, L = kzz_chol(spec, hyper, hyper.net(Z))
     B, M = L.shape[0], L.shape[1]
     mb, Sb = q.mean.reshape(B, M), q.cov.reshape(B, M, B, M)
     Sbb = jnp.stack([Sb[b, :, b, :] for b in range(B)])
@@ -339,7 +340,7 @@ def mogp_model(X: Array, task: Array, spec: MOGPSpec, hyper: Hyper, Z: Array,
     """The sparse generative model in NumPyro: ``u_b ~ N(0, K_b(Z, Z))``, ``f_n | u ~
     N(Phi_n u, Var[f_n | u])`` independently, then ``y_n ~ N(f_n, sigma_t^2)`` for regression
     tasks and ``y_n ~ Bernoulli(logits=f_n)`` for classification tasks."""
-    K, _ = _kzz_chol(spec, hyper, hyper.net(Z))
+    K, _ = kzz_chol(spec, hyper, hyper.net(Z))
     us = [numpyro.sample(f"u_{b}", dist.MultivariateNormal(jnp.zeros(K.shape[1]), K[b]))
           for b in range(spec.num_latent)]
     Phi, cond, _, _ = projections(spec, hyper, Z, X, task)

@@ -17,6 +17,7 @@ Example::
 
     >>> import jax, numpy as np
     >>> from functools import partial
+    >>> from fedppl.guides import PVIGuide
     >>> from fedppl.guides.cavi import CAVI
     >>> rng = np.random.default_rng(0)
     >>> y = rng.integers(0, 3, 60)
@@ -31,6 +32,8 @@ Example::
 
 from __future__ import annotations
 
+from typing import Protocol
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -39,9 +42,15 @@ import numpyro.distributions as dist
 from jax import Array
 
 from fedppl.families import gaussian as g
-from fedppl.guides.pvi_guide import PVIGuide
 
-__all__ = ["one_vs_each", "ove_log_lik", "class_logits", "predict_proba"]
+__all__ = ["one_vs_each", "ove_log_lik", "class_logits", "predict_proba", "Sampler"]
+
+
+class Sampler(Protocol):
+    """What :func:`predict_proba` needs of a guide (a :class:`~fedppl.guides.PVIGuide` has it):
+    constrained draws from ``q``, keyed by site, ``{name: (num_samples, *shape)}``."""
+
+    def sample(self, rng_key: Array, q: g.Gaussian, num_samples: int) -> dict[str, Array]: ...
 
 
 def class_logits(X: Array, W: Array, b: Array) -> Array:
@@ -82,7 +91,7 @@ def ove_log_lik(F: Array, y: Array) -> Array:
     return jnp.sum(jnp.where(others, jax.nn.log_sigmoid(own - F), 0.0), axis=1)
 
 
-def predict_proba(rng_key: Array, guide: PVIGuide, q: g.Gaussian, X: Array,
+def predict_proba(rng_key: Array, guide: Sampler, q: g.Gaussian, X: Array,
                   num_samples: int = 500) -> Array:
     """Posterior predictive class probabilities ``E_q[softmax(X W + b)]`` by Monte Carlo."""
     draws = guide.sample(rng_key, q, num_samples)

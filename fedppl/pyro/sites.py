@@ -25,14 +25,12 @@ Example::
 
 from __future__ import annotations
 
-import contextlib
 import math
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, cast
 
 import numpy as np
-import pyro
 import pyro.distributions as dist
 import torch
 from pyro import poutine
@@ -41,10 +39,11 @@ from torch import Tensor
 from torch.distributions import biject_to
 from torch.distributions import transforms as T
 
+from fedppl.pyro.bridge import quiet, using
 from fedppl.pyro.families.gaussian import DiagGaussian, FullGaussian, Gaussian
 
 __all__ = ["Site", "SiteLayout", "classify", "prior_factor", "prior_correction", "curvature",
-           "float_dtype", "cast_floats", "trace", "nodes", "original", "vmap", "quiet", "using",
+           "float_dtype", "cast_floats", "trace", "nodes", "original", "quiet", "using",
            "transformed", "is_prior_factor"]
 
 BASE_DRAWS = 512  # prior draws that place the Gaussian base of a corrected site
@@ -64,38 +63,6 @@ def cast_floats(arrays: Sequence[Any], dtype: torch.dtype) -> tuple:
     return tuple(out)
 
 
-@contextlib.contextmanager
-def using(dtype: torch.dtype) -> Iterator[None]:
-    """torch's default dtype set to ``dtype`` while a model runs: the model's Python-float
-    constants (``dist.Normal(0.0, 1.0)``) then meet ``theta`` and the data in one dtype."""
-    before = torch.get_default_dtype()
-    torch.set_default_dtype(dtype)
-    try:
-        yield
-    finally:
-        torch.set_default_dtype(before)
-
-
-@contextlib.contextmanager
-def quiet() -> Iterator[None]:
-    """Pyro's and torch's argument validation off: the checks turn values into Python booleans,
-    which ``torch.func`` transforms cannot do (the data are validated before a run)."""
-    with pyro.validation_enabled(False):
-        yield
-
-
-def vmap(fn: Callable, in_dims: Any = 0) -> Callable:
-    """``torch.func.vmap`` with validation off, the default dtype that of the first argument, and
-    the model's unconditioned sites allowed to draw (one draw for the whole batch)."""
-    mapped = torch.func.vmap(fn, in_dims, randomness="same")
-
-    def call(*args):
-        with quiet(), using(_float_dtype_of(args)):
-            return mapped(*args)
-
-    return call
-
-
 def nodes(tr: poutine.Trace) -> dict[str, Any]:
     """A trace's sites, as plain dicts (Pyro types their distribution as a bare callable)."""
     return cast(dict[str, Any], tr.nodes)
@@ -107,17 +74,6 @@ def original(err: BaseException) -> BaseException:
     while err.__cause__ is not None and "Trace Shapes:" in str(err):
         err = err.__cause__
     return err
-
-
-def _float_dtype_of(tree: Any) -> torch.dtype:
-    """The dtype of the first floating tensor in a (nested) tuple, or torch's default."""
-    if isinstance(tree, Tensor):
-        return tree.dtype if tree.is_floating_point() else torch.get_default_dtype()
-    if isinstance(tree, (tuple, list)):
-        for x in tree:
-            if (isinstance(x, Tensor) and x.is_floating_point()) or isinstance(x, (tuple, list)):
-                return _float_dtype_of(x)
-    return torch.get_default_dtype()
 
 
 def trace(model: Callable, args: tuple, kwargs: dict, seed: int = 0,
@@ -269,13 +225,6 @@ class SiteLayout:
         """The flat unconstrained vector from constrained per-site values (no leading axes)."""
         return torch.cat([s.transform.inv(torch.as_tensor(values[s.name])).reshape(-1)
                           for s in self.sites])
-
-    def log_abs_det_jacobian(self, theta: Tensor) -> Tensor:
-        """Sum over sites of ``log |d constrain / d theta|`` (no leading axes)."""
-        total = torch.zeros((), dtype=theta.dtype)
-        for s, u in zip(self.sites, self.unpack(theta).values(), strict=True):
-            total = total + s.transform.log_abs_det_jacobian(u, s.transform(u)).sum()
-        return total
 
     def site_distribution(self, name: str, mean: Tensor, cov: Tensor, diag: bool
                           ) -> dist.Distribution:

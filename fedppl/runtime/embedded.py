@@ -38,6 +38,7 @@ import jaxlib
 import numpy as np
 from jax import Array
 
+from fedppl import trees
 from fedppl.algorithms.trio import Trio
 
 __all__ = ["make_round", "SCHEDULES"]
@@ -100,9 +101,9 @@ def _sequential(trio: Trio):
         def update(server, inputs):
             cstate, data_k, mask_k, key_k, k = inputs
             msg, proposed = trio.client_update(server, cstate, data_k, mask_k, key_k, k)
-            server, reply = trio.server_update(server, _one(msg), k[None], jnp.ones(1, bool),
+            server, reply = trio.server_update(server, trees.one(msg), k[None], jnp.ones(1, bool),
                                                jax.random.fold_in(server_key, k), None)
-            reply = _first(reply)
+            reply = trees.first(reply)
             return server, (trio.acknowledge(cstate, msg, reply, proposed), msg, reply)
 
         blank = jax.tree_util.tree_map(
@@ -123,7 +124,7 @@ def _sequential(trio: Trio):
 
 
 def _first_client(clients, data, masks, keys):
-    return (_index(clients, 0), _index(data, 0), masks[0], keys[0], jnp.asarray(0))
+    return (trees.index(clients, 0), trees.index(data, 0), masks[0], keys[0], jnp.asarray(0))
 
 
 def _loop(trio: Trio):
@@ -142,14 +143,15 @@ def _loop(trio: Trio):
         # each client holds its own arrays (host copies), as it would on its own machine
         clients_h, data_h, masks_h = jax.device_get((clients, data, masks))
         K = np.shape(masks)[0]
-        replies = {k: jax.device_get(client_fn(server, *_index((clients_h, data_h, masks_h), k),
+        replies = {k: jax.device_get(client_fn(server,
+                                               *trees.index((clients_h, data_h, masks_h), k),
                                                keys[k], k))
                    for k in range(K) if active[k]}
         if not replies:
             raise ValueError("no client takes part in this round")
         blank = jax.tree_util.tree_map(np.zeros_like, next(iter(replies.values())))
         out = [replies.get(k, blank) for k in range(K)]
-        msgs, proposed = jax.tree_util.tree_map(lambda *xs: np.stack(xs), *out)
+        msgs, proposed = trees.stack(out, xp=np)
         server, reps = server_fn(server, msgs, np.arange(K), active, server_key, proposed, data,
                                  masks)
         return server, ack_fn(clients, msgs, reps, proposed), msgs, reps
@@ -158,20 +160,14 @@ def _loop(trio: Trio):
 
 
 def _host_vmap(fn):
-    def mapped(*trees):
-        K = len(jax.tree_util.tree_leaves(trees[1])[0])
-        outs = [fn(*_index(trees, k)) for k in range(K)]
-        return jax.tree_util.tree_map(lambda *xs: np.stack(xs), *outs)
+    def mapped(*args):
+        K = len(jax.tree_util.tree_leaves(args[1])[0])
+        outs = [fn(*trees.index(args, k)) for k in range(K)]
+        return trees.stack(outs, xp=np)
 
     return mapped
 
 
-def _one(tree):
-    return jax.tree_util.tree_map(lambda x: x[None], tree)
-
-
-def _first(tree):
-    return jax.tree_util.tree_map(lambda x: x[0], tree)
 
 
 @lru_cache(maxsize=1)
@@ -191,6 +187,3 @@ def check_cpu_lapack() -> bool:
                   "jax==0.9.2 jaxlib==0.9.2 (see constraints.txt)", RuntimeWarning, stacklevel=3)
     return True
 
-
-def _index(tree, k: int):
-    return jax.tree_util.tree_map(lambda x: x[k], tree)

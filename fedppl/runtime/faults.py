@@ -1,11 +1,11 @@
 """Faults injected into the embedded runtime: clients that drop out and messages that arrive
 corrupted, for testing a method's server against them.
 
-:class:`Faults` is a runtime (``FederatedMethod.runtime``): it runs the method's own trio through
-:func:`fedppl.runtime.make_round`, except that each round, independently for each client taking
-part, the client's message is lost with probability ``dropout`` (it computed its update; the
-server never hears of it) or else, with probability ``corrupt``, arrives replaced by one of the
-``kinds`` of corruption (every floating-point entry of the message):
+:class:`Faults` is a runtime (``method.run(..., runtime=Faults(...))``): it runs the method's
+own trio through :func:`fedppl.runtime.make_round`, except that each round, independently for
+each client taking part, the client's message is lost with probability ``dropout`` (it computed
+its update; the server never hears of it) or else, with probability ``corrupt``, arrives
+replaced by one of the ``kinds`` of corruption (every floating-point entry of the message):
 
 * ``"nan"``, ``"inf"``: NaN, +inf;
 * ``"huge"``: 1e12, a finite message far beyond what data can carry;
@@ -31,9 +31,10 @@ that arrived is refused, and the server's record says why)::
     >>> clients = fedppl.partition.homogeneous(X, X @ np.ones(3), num_clients=5, seed=0)
     >>> pvi = fedppl.PVI(linear_regression, fedppl.PVIGuide(linear_regression),
     ...                  schedule="synchronous")
-    >>> pvi.runtime = Faults(dropout=0.3, corrupt=0.2, kinds=("nan", "huge"), seed=1)
-    >>> result = pvi.run(jax.random.key(0), clients, num_rounds=20, progress_bar=False)
-    >>> corrupted = {(r, clients.names[k]) for r, k, f in pvi.runtime.events if f != "dropped"}
+    >>> faults = Faults(dropout=0.3, corrupt=0.2, kinds=("nan", "huge"), seed=1)
+    >>> result = pvi.run(jax.random.key(0), clients, num_rounds=20, progress_bar=False,
+    ...                  runtime=faults)
+    >>> corrupted = {(r, clients.names[k]) for r, k, f in faults.events if f != "dropped"}
     >>> refused = {(r, who) for r, who, why in result.rejected if "no message" not in why}
     >>> corrupted == refused
     True

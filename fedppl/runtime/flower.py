@@ -76,16 +76,10 @@ try:
 except ImportError as err:  # pragma: no cover - the extra is installed by make test
     raise ImportError("fedppl.runtime.flower needs Flower: pip install 'fedppl[flower]'") from err
 
-from fedppl.runtime.flower_node import _Node
-from fedppl.runtime.flower_wire import (
-    _index,
-    _is_key,
-    _record_bytes,
-    _stack,
-    pack,
-    unpack,
-)
+from fedppl.runtime.flower_node import Node
+from fedppl.runtime.flower_wire import is_key, pack, record_bytes, unpack
 from fedppl.runtime.task import Task
+from fedppl.trees import index, stack
 
 __all__ = ["Task", "FlowerApp", "FlowerError", "task_from_config", "pack", "unpack"]
 
@@ -130,7 +124,7 @@ class FlowerApp:
         self.server_state: Any = None
         self.fixed_config: dict[str, Any] | None = None  # simulate's run config, for the nodes
 
-    def _task(self, run_config: Mapping[str, Any]) -> Task:
+    def task(self, run_config: Mapping[str, Any]) -> Task:
         if self.fixed_config is not None:
             run_config = self.fixed_config
         key = (self.token, tuple(sorted((k, repr(v)) for k, v in run_config.items())))
@@ -153,7 +147,7 @@ class FlowerApp:
                 self.result.to_json(os.path.join(str(out), "result.json"))
                 leaves = jax.tree_util.tree_leaves(self.server_state)
                 np.savez(os.path.join(str(out), "state.npz"),
-                         *[np.asarray(jax.random.key_data(x) if _is_key(x) else x)
+                         *[np.asarray(jax.random.key_data(x) if is_key(x) else x)
                            for x in leaves])
 
         return app
@@ -163,19 +157,19 @@ class FlowerApp:
 
         @app.query("setup")
         def setup(msg: Message, context: Context) -> Message:
-            return _Node(self, context, msg.content).setup(msg)
+            return Node(self, context, msg.content).setup(msg)
 
         @app.train()
         def train(msg: Message, context: Context) -> Message:
-            return _Node(self, context, msg.content).train(msg)
+            return Node(self, context, msg.content).train(msg)
 
         @app.evaluate()
         def evaluate(msg: Message, context: Context) -> Message:
-            return _Node(self, context, msg.content).evaluate(msg)
+            return Node(self, context, msg.content).evaluate(msg)
 
         @app.query("finish")
         def finish(msg: Message, context: Context) -> Message:
-            return _Node(self, context, msg.content).finish(msg)
+            return Node(self, context, msg.content).finish(msg)
 
         return app
 
@@ -238,7 +232,7 @@ def _quiet_deprecation(feature: str):
 
 class _Server:
     """The ServerApp's work for one run: set-up, then the method's own ``run`` with its rounds
-    (``method.runtime``) sent over Flower."""
+    sent over Flower (``run(..., runtime=...)``: a runtime whose server holds no data)."""
 
     def __init__(self, grid: Grid, task: Task):
         self.grid, self.task = grid, task
@@ -256,7 +250,7 @@ class _Server:
         for k, content in contents.items():
             out.append(Message(content, dst_node_id=self.node_of[k], message_type=message_type,
                                group_id=str(self.round)))
-            self.traffic[[1, 3]] += (1, _record_bytes(content))
+            self.traffic[[1, 3]] += (1, record_bytes(content))
         by_node = {v: k for k, v in self.node_of.items()}
         answers: dict[int, RecordDict | str] = {}
         for m in self.grid.send_and_receive(out, timeout=timeout):
@@ -268,7 +262,7 @@ class _Server:
                 answers[who] = f"the node failed: {(lines or ['?'])[-1][-300:]}"
             else:
                 answers[who] = m.content
-                self.traffic[[0, 2]] += (1, _record_bytes(m.content))
+                self.traffic[[0, 2]] += (1, record_bytes(m.content))
         for k in contents:
             answers.setdefault(k, "no answer" + ("" if timeout is None else
                                                  f" within {timeout:g} s"))
@@ -313,14 +307,11 @@ class _Server:
     def run(self) -> Any:
         stand_in = self._describe()
         method, task = self.task.method, self.task
-        method.data_at_server = False
-        method.runtime = self._runtime(stand_in)
         # the method's own progress bar (its run's; off with run_kwargs={"progress_bar": False})
         kwargs = {"progress_bar": True, **dict(task.run_kwargs)}
-        try:
-            result = method.run(jax.random.key(task.seed), stand_in, task.num_rounds, **kwargs)
-        finally:
-            method.runtime = None
+        # the method's own run, its rounds sent over Flower (the method is not changed)
+        result = method.run(jax.random.key(task.seed), stand_in, task.num_rounds,
+                            runtime=self._runtime(stand_in), **kwargs)
         self._finish()
         # what crossed the wire each round (the method's own counts are in the history)
         wire = np.asarray(self.wire[:result.num_rounds]).reshape(-1, 4)
@@ -350,9 +341,9 @@ class _Server:
                     self._start(clients, rows)
                 self.round += 1
                 before = self.traffic.copy()
-                self.clients_now, self._one_data = clients, (_index(data, 0), masks[0])
-                like = jax.eval_shape(trio.client_update, server, _index(clients, 0),
-                                      _index(data, 0), masks[0], keys[0], jnp.asarray(0))[0]
+                self.clients_now, self._one_data = clients, (index(data, 0), masks[0])
+                like = jax.eval_shape(trio.client_update, server, index(clients, 0),
+                                      index(data, 0), masks[0], keys[0], jnp.asarray(0))[0]
                 blank = jax.tree_util.tree_map(lambda s: jnp.zeros(s.shape, s.dtype), like)
                 if trio.begin_round is not None:
                     server = trio.begin_round(server, server_key)
@@ -364,20 +355,20 @@ class _Server:
                     for k in taking:
                         got = self._train({k}, server, keys, like)
                         msg = got.get(k, blank)
-                        server, reply = one_update(server, _stack([msg]), jnp.asarray([k]),
+                        server, reply = one_update(server, stack([msg]), jnp.asarray([k]),
                                                    jnp.asarray([k in got]),
                                                    jax.random.fold_in(server_key, k))
-                        msgs[k], replies[k] = msg, _index(reply, 0)
+                        msgs[k], replies[k] = msg, index(reply, 0)
                     replies_all = _fill(replies, K)
                 else:
                     msgs = self._train(set(taking), server, keys, like)
                     received = jnp.asarray([k in msgs for k in range(K)])
                     server, replies_all = server_update(
-                        server, _stack([msgs.get(k, blank) for k in range(K)]), jnp.arange(K),
+                        server, stack([msgs.get(k, blank) for k in range(K)]), jnp.arange(K),
                         received, server_key)
                 for k in taking:
-                    self.pending.setdefault(k, []).append((self.round, _index(replies_all, k)))
-                stacked = _stack([msgs.get(k, blank) for k in range(K)])
+                    self.pending.setdefault(k, []).append((self.round, index(replies_all, k)))
+                stacked = stack([msgs.get(k, blank) for k in range(K)])
                 # the server's record of each client: its state with the replies applied (what
                 # the server never sees, such as a private guide, stays as it was)
                 clients = acknowledge(clients, stacked, replies_all, clients)
@@ -387,12 +378,14 @@ class _Server:
 
             return round_fn
 
+        # the server holds stand-ins, not the clients' data (fedppl.infer.base.Runtime)
+        runtime.data_at_server = False  # type: ignore[attr-defined]
         return runtime
 
     def _start(self, clients: Any, rows: int) -> None:
         """The second set-up exchange: each node's initial state (the node builds and compiles
         its step here, outside any round's timeout)."""
-        contents = {k: RecordDict({"init": pack(_index(clients, k)),
+        contents = {k: RecordDict({"init": pack(index(clients, k)),
                                    "init.meta": ConfigRecord({"index": k, "rows": rows})})
                     for k in self.node_of}
         for k, a in self._exchange(contents, "query.setup", 600.0).items():
@@ -437,7 +430,7 @@ class _Server:
 
         def evaluate(candidate):
             clients = self.clients_now
-            one = jax.eval_shape(trio.client_evaluate, candidate, _index(clients, 0),
+            one = jax.eval_shape(trio.client_evaluate, candidate, index(clients, 0),
                                  *self._one_data)
             ndim = jnp.ndim(jax.tree_util.tree_leaves(candidate)[0])
 
@@ -488,7 +481,7 @@ def _fill(replies: dict[int, Any], K: int) -> Any:
     if not replies:
         raise FlowerError("no client takes part in this round")
     blank = jax.tree_util.tree_map(jnp.zeros_like, next(iter(replies.values())))
-    return _stack([replies.get(k, blank) for k in range(K)])
+    return stack([replies.get(k, blank) for k in range(K)])
 
 
 # The ServerApp and ClientApp of any Flower app whose run config names its task

@@ -4,6 +4,7 @@ between messages kept in Flower's ``context.state``."""
 
 from __future__ import annotations
 
+import inspect
 import os
 import secrets
 import time
@@ -23,10 +24,14 @@ except ImportError as err:  # pragma: no cover - the extra is installed by make 
     raise ImportError("fedppl.runtime.flower_node needs Flower: pip install 'fedppl[flower]'"
                       ) from err
 
-from fedppl.runtime.flower_wire import _index, _shapes, _unflatten, pack, unpack
+from fedppl.runtime.flower_wire import pack, shapes, unflatten, unpack
+from fedppl.trees import index
 
 if TYPE_CHECKING:
     from fedppl.runtime.flower import FlowerApp
+
+# ``run`` arguments that are not ``init``'s (how a run is shown and when it stops)
+RUN_ONLY = ("progress_bar", "tol")
 
 # Nodes' compiled trios, kept between messages (a Simulation Engine worker or a long-lived
 # ClientApp process handles many).
@@ -50,7 +55,7 @@ class _Built(NamedTuple):
     mask: Any
 
 
-class _Node:
+class Node:
     """One message's work on a node (a ClientApp may run in a fresh process per message: what
     lasts between messages is in ``context.state``)."""
 
@@ -63,7 +68,7 @@ class _Node:
             x64 = content.config_records["meta"].get("x64", x64)
         if x64 is not None:
             jax.config.update("jax_enable_x64", bool(x64))
-        self.task = app._task(dict(context.run_config))
+        self.task = app.task(dict(context.run_config))
         self.partition = int(context.node_config.get("partition-id", 0))
         if content is not None and "init" in content.array_records:
             self._start(content)
@@ -78,39 +83,26 @@ class _Node:
         return _BUILT[key]
 
     def _set_up(self, clients: Clients) -> dict[str, Any]:
-        """The method's own run on ``clients`` up to its first round: its trio, server state
-        and (stacked) client states."""
+        """The method's own set-up on ``clients`` (``init``: its plan and initial state, no
+        round run): its trio, server state and (stacked) client states."""
         method = self.task.method
-        seen: dict[str, Any] = {}
-
-        def runtime(trio, schedule):
-            def capture(server, clients, data, masks, keys, active, server_key):
-                seen.update(trio=trio, server=server, clients=clients)
-                raise _Captured
-
-            return capture
-
-        method.runtime = runtime
-        try:
-            method.run(jax.random.key(self.task.seed), clients, 1,
-                       **{**dict(self.task.run_kwargs), "progress_bar": False})
-        except _Captured:
-            pass
-        finally:
-            method.runtime = None
-        return seen
+        kwargs = {k: v for k, v in dict(self.task.run_kwargs).items() if k not in RUN_ONLY}
+        if "num_rounds" in inspect.signature(method.init).parameters:
+            kwargs["num_rounds"] = self.task.num_rounds  # the server's planned rounds (FedBNR)
+        state = method.init(jax.random.key(self.task.seed), clients, **kwargs)
+        return {"trio": state.plan.trio, "server": state.server, "clients": state.clients}
 
     def _build(self, rows: int) -> _Built:
         arrays = self._arrays()
         n = arrays[0].shape[0]
         if n > rows:
             raise ValueError(f"partition {self.partition} has {n} rows, the server set up {rows}")
-        # The method's own run on this node's data (which checks that they fit the model) up to
-        # its first round: the trio and this node's states, as the server's set-up has them.
+        # The method's own set-up on this node's data (which checks that they fit the model):
+        # the trio and this node's states, as the server's set-up has them.
         clients = Clients.from_list([arrays], pad_to=rows)  # padded as the server set it up
         seen = self._set_up(clients)
-        trio, server = seen["trio"], _shapes(seen["server"])
-        client = _shapes(_index(seen["clients"], 0))
+        trio, server = seen["trio"], shapes(seen["server"])
+        client = shapes(index(seen["clients"], 0))
         data = tuple(a[0] for a in clients.stacked)
         mask = clients.mask[0]
         msg = jax.eval_shape(trio.client_update, server, client, data, mask,
@@ -118,7 +110,7 @@ class _Node:
         candidates: list = []
 
         def capture(candidate):  # what the server's evaluation exchange sends
-            candidates.append(_shapes(candidate))
+            candidates.append(shapes(candidate))
             one = jax.tree_util.tree_map(lambda s: jnp.zeros((1, *s.shape), s.dtype), client)
             return jax.vmap(trio.client_evaluate, (None, 0, 0, 0))(
                 candidate, one, tuple(d[None] for d in data), mask[None])
@@ -176,7 +168,7 @@ class _Node:
         data = [tuple(np.ones((rows, *a.shape[1:]), a.dtype) for a in own)
                 for _ in range(self.task.num_clients)]
         data[index] = own
-        client = _index(self._set_up(Clients.from_list(data))["clients"], index)
+        client = index(self._set_up(Clients.from_list(data))["clients"], index)
         self._save(client, {**self._meta(), "index": index, "rows": rows, "pending": -1})
 
     def _acknowledge(self, built: _Built, content: RecordDict, meta: dict) -> Any:
@@ -187,8 +179,8 @@ class _Node:
         pending = int(meta["pending"])
         rounds = list(cast(list, content.config_records["meta"].get("reply_rounds", [])))
         if pending >= 0 and pending in rounds:
-            msg = _unflatten(self.context.state["fedppl.message"], built.message)
-            reply = _unflatten(content.array_records[f"reply.{pending}"], built.reply)
+            msg = unflatten(self.context.state["fedppl.message"], built.message)
+            reply = unflatten(content.array_records[f"reply.{pending}"], built.reply)
             client = built.acknowledge(client, msg, reply, self._held("fedppl.proposed", built))
             meta["pending"] = -1
         return client
@@ -198,7 +190,7 @@ class _Node:
         built = self._built(int(meta["rows"]))
         content = msg.content
         client = self._acknowledge(built, content, meta)
-        server = _unflatten(content["server"], built.server)
+        server = unflatten(content["server"], built.server)
         key = unpack(content["key"], jax.random.key(0), "the server", "key")
         if _private(self.task.method):  # noise the server cannot regenerate from its key
             if "secret" not in meta:
@@ -235,7 +227,7 @@ class _Node:
         like = built.candidate
         batched = (len(record) > 0 and np.ndim(record.to_numpy_ndarrays()[0])
                    > len(jax.tree_util.tree_leaves(like)[0].shape))
-        candidate = _unflatten(record, like)
+        candidate = unflatten(record, like)
         client = self._held(held, built)
         if batched:  # several candidates at once (the server's batched line search)
             value = jax.vmap(built.evaluate, (0, None, None, None))(candidate, client,
@@ -256,7 +248,3 @@ def _private(method: Any) -> bool:
     config = getattr(method, "config", None)
     return (getattr(method, "privacy", None) is not None
             or getattr(config, "privacy", None) is not None)
-
-
-class _Captured(Exception):
-    """Stops a node's run of the method at its first round (see ``_Node._build``)."""

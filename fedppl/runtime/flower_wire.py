@@ -28,7 +28,7 @@ def pack(tree: Any) -> ArrayRecord:
     >>> [a.shape for a in record.to_numpy_ndarrays()]
     [(2,), (1, 3)]
     """
-    return ArrayRecord([np.asarray(jax.random.key_data(x) if _is_key(x) else x)
+    return ArrayRecord([np.asarray(jax.random.key_data(x) if is_key(x) else x)
                         for x in jax.tree_util.tree_leaves(tree)])
 
 
@@ -42,7 +42,7 @@ def unpack(record: Any, like: Any, who: str = "a peer", what: str = "message") -
         raise ValueError(f"{who} sent a {what} with {len(got)} arrays, expected {len(leaves)}")
     out = []
     for i, (a, want) in enumerate(zip(got, leaves, strict=True)):
-        if _is_key(want):
+        if is_key(want):
             want_shape = jax.eval_shape(jax.random.key_data, want).shape
             want_dtype: Any = np.uint32
         else:
@@ -50,27 +50,21 @@ def unpack(record: Any, like: Any, who: str = "a peer", what: str = "message") -
         if tuple(a.shape) != tuple(want_shape) or a.dtype != want_dtype:
             raise ValueError(f"{who} sent a {what} whose array {i} has shape {a.shape} and dtype "
                              f"{a.dtype}, expected {tuple(want_shape)} and {np.dtype(want_dtype)}")
-        out.append(jax.random.wrap_key_data(jnp.asarray(a)) if _is_key(want) else jnp.asarray(a))
+        out.append(jax.random.wrap_key_data(jnp.asarray(a)) if is_key(want) else jnp.asarray(a))
     return jax.tree_util.tree_unflatten(treedef, out)
 
 
-def _is_key(x: Any) -> bool:
+def is_key(x: Any) -> bool:
+    """Whether ``x`` is an array of typed PRNG keys (sent as its key data)."""
     return jnp.issubdtype(getattr(x, "dtype", np.float64), jax.dtypes.prng_key)
 
 
-def _index(tree: Any, k: int) -> Any:
-    return jax.tree_util.tree_map(lambda x: x[k], tree)
-
-
-def _stack(trees: list) -> Any:
-    return jax.tree_util.tree_map(lambda *xs: jnp.stack(xs), *trees)
-
-
-def _shapes(tree: Any) -> Any:
+def shapes(tree: Any) -> Any:
+    """The tree's shapes and dtypes (``jax.ShapeDtypeStruct`` leaves)."""
     return jax.tree_util.tree_map(lambda x: jax.ShapeDtypeStruct(jnp.shape(x), x.dtype), tree)
 
 
-def _unflatten(record: Any, like: Any) -> Any:
+def unflatten(record: Any, like: Any) -> Any:
     """A pytree the server sent, structured as ``like`` (trusted: the structure is the method's
     own; shapes are not checked, as some depend on the number of clients)."""
     leaves, treedef = jax.tree_util.tree_flatten(like)
@@ -78,10 +72,11 @@ def _unflatten(record: Any, like: Any) -> Any:
     if len(got) != len(leaves):
         raise ValueError(f"the server sent {len(got)} arrays, expected {len(leaves)}")
     return jax.tree_util.tree_unflatten(treedef, [
-        jax.random.wrap_key_data(jnp.asarray(a)) if _is_key(w) else jnp.asarray(a)
+        jax.random.wrap_key_data(jnp.asarray(a)) if is_key(w) else jnp.asarray(a)
         for a, w in zip(got, leaves, strict=True)])
 
 
-def _record_bytes(content: RecordDict) -> int:
+def record_bytes(content: RecordDict) -> int:
+    """Bytes of the arrays in a Flower message's content."""
     return int(sum(a.numpy().nbytes for rec in content.array_records.values()
                    for a in rec.values()))

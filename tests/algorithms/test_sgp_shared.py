@@ -12,6 +12,7 @@ from numpyro.distributions import Normal
 from numpyro.distributions.kl import kl_divergence
 
 import fedppl
+from fedppl import trees
 from fedppl.algorithms import sgp_pvi
 from fedppl.guides import sgp_guide as sg
 from fedppl.models import sparse_gp as sgp
@@ -80,7 +81,7 @@ def test_shared_draw_estimate_starts_at_the_exact_local_free_energy(z_mode):
     @jax.jit
     def values_and_grads(k, key):
         data = (jnp.asarray(X)[k], jnp.asarray(y)[k], jnp.ones(N, bool))
-        own = sgp_pvi._take(state.pseudo, k)
+        own = trees.index(state.pseudo, k)
         return [jax.value_and_grad(f)(own, k, data, key) for f in (shared, direct)]
 
     for k in (0, 3):
@@ -103,7 +104,7 @@ def test_begin_round_draws_from_q_and_sums_every_factor():
         hyper = sgp.split_hyper(lb, 1)
         L = jnp.linalg.cholesky(sgp.kzz(Z, hyper, spec.jitter))
         return jax.vmap(lambda k: sgp_pvi._own_stats(spec, state, k,
-                                                     sgp_pvi._take(state.pseudo, k), Z, hyper,
+                                                     trees.index(state.pseudo, k), Z, hyper,
                                                      L))(jnp.arange(K))
 
     for s in range(2):

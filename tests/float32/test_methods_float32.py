@@ -30,7 +30,7 @@ from numpyro.infer import SVI
 
 import fedppl
 from fedppl import partition
-from fedppl.algorithms.rnvgp import RandomisedConfig
+from fedppl.guides.rnvgp import RandomisedConfig
 from fedppl.guides.kronecker import KroneckerGuide
 from fedppl.guides.rnvgp import RNVGPGuide
 from fedppl.guides.svgp import DiagGuide, SVIGPGuide

@@ -12,6 +12,8 @@ import pytest
 import fedppl
 from fedppl.algorithms import sgp_pvi
 from fedppl.families import gaussian as g
+from fedppl.infer.base import Runtime
+from fedppl.runtime import make_round
 
 SGP = ("dpo", "cpo", "fedavg-z", "fixed", "global")
 
@@ -70,12 +72,12 @@ def test_a_server_without_the_data_refuses_a_set_up_that_reads_them(method, sett
     """On a deployment (Flower) the server sets up on a stand-in for the clients' data: a set-up
     that would read data values there is refused with the way out, not run on the stand-in."""
     front = _front(method, num_inducing=3, **settings)
-    front.data_at_server = False
+    deployment = Runtime(make_round, data_at_server=False)  # a server that holds stand-ins
     if refused is None:
-        front.init(jax.random.key(0), _clients([10, 10]))
+        front.init(jax.random.key(0), _clients([10, 10]), runtime=deployment)
     else:
         with pytest.raises(ValueError, match=refused):
-            front.init(jax.random.key(0), _clients([10, 10]))
+            front.init(jax.random.key(0), _clients([10, 10]), runtime=deployment)
 
 
 @pytest.mark.parametrize("method", ["dpo", "fedavg-z", "fixed"])

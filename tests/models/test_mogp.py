@@ -119,7 +119,7 @@ def test_numpyro_model_log_density_matches_manual():
     lp, _ = log_density(mogp.mogp_model, (data.X, data.task, spec, hyper, Z),
                         {"y": data.y}, params)
     from scipy.stats import multivariate_normal, norm
-    K, _ = mogp._kzz_chol(spec, hyper, hyper.net(Z))
+    K, _ = mogp.kzz_chol(spec, hyper, hyper.net(Z))
     ref = sum(multivariate_normal(np.zeros(4), np.asarray(K[b])).logpdf(us[b]) for b in range(2))
     ref += norm(np.asarray(Phi @ jnp.concatenate(us)), np.sqrt(np.asarray(cond) + 1e-12)
                 ).logpdf(np.asarray(f)).sum()

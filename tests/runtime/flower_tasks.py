@@ -101,8 +101,8 @@ def task(run_config: dict[str, Any]) -> Task:
 def embedded(name: str, rounds: int = ROUNDS, absent: dict | None = None,
              line_search: bool = True) -> tuple[Any, list[np.ndarray]]:
     """The result, and the leaves of the last server state, of the embedded runtime on the same
-    task (its rounds recorded through the method's ``runtime`` hook); ``absent[r]``: clients that
-    sit round ``r`` out."""
+    task (its rounds recorded through ``run``'s ``runtime`` argument); ``absent[r]``: clients
+    that sit round ``r`` out."""
     clients, run_kwargs = _data(name)
     method, last = _method(name), {}
     if name.startswith("pvi"):
@@ -120,8 +120,8 @@ def embedded(name: str, rounds: int = ROUNDS, absent: dict | None = None,
 
         return recorded
 
-    method.runtime = runtime
-    result = method.run(jax.random.key(0), clients, rounds, progress_bar=False, **run_kwargs)
+    result = method.run(jax.random.key(0), clients, rounds, progress_bar=False,
+                        runtime=runtime, **run_kwargs)
     return result, [np.asarray(x) for x in jax.tree_util.tree_leaves(last["server"])]
 
 

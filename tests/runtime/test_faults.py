@@ -60,10 +60,11 @@ def _pvi(schedule, **kwargs):
                       schedule, 0.5, elbo_samples=0, line_search=False, **kwargs)
 
 
-def _run(method, clients, rounds, seed=1):
+def _run(method, clients, rounds, runtime, seed=1):
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", RuntimeWarning)  # one warning per refused message
-        return method.run(jax.random.key(seed), clients, rounds, progress_bar=False)
+        return method.run(jax.random.key(seed), clients, rounds, progress_bar=False,
+                          runtime=runtime)
 
 
 def _gap(result, reference):
@@ -75,16 +76,15 @@ def _gap(result, reference):
 
 def _clean(method, clients, rounds):
     """The run without faults, through the same compiled round (a fault-free plan)."""
-    method.runtime = Faults()
-    return _run(method, clients, rounds)
+    return _run(method, clients, rounds, Faults())
 
 
 @pytest.mark.parametrize("schedule", ["synchronous", "sequential"])
 def test_thousand_faulty_rounds_leave_the_clean_posterior(diabetes, schedule):
     method = _pvi(schedule)
     clean = _clean(method, diabetes, 200)  # converged: damping 0.5 halves the gap each round
-    method.runtime = faults = Watched(dropout=0.3, corrupt=0.05, seed=3)
-    result = _run(method, diabetes, 1000)
+    faults = Watched(dropout=0.3, corrupt=0.05, seed=3)
+    result = _run(method, diabetes, 1000, faults)
     assert all(faults.sound) and len(faults.sound) == 1000
     mean_gap, sd_gap = _gap(result, clean)
     assert mean_gap < 1e-8 and sd_gap < 1e-8, (mean_gap, sd_gap)
@@ -103,8 +103,8 @@ def test_without_the_divergence_bound_a_huge_message_wrecks_the_posterior(diabet
     gaps = {}
     for bound in (np.inf, pvi_algorithm.MAX_DIVERGENCE):
         method = _pvi("synchronous", max_divergence=bound)
-        method.runtime = Faults(dropout=0.3, corrupt=0.05, kinds=("huge",), seed=3)
-        gaps[bound] = _gap(_run(method, diabetes, 300), clean)
+        faults = Faults(dropout=0.3, corrupt=0.05, kinds=("huge",), seed=3)
+        gaps[bound] = _gap(_run(method, diabetes, 300, faults), clean)
     assert min(gaps[np.inf]) > 0.1, gaps
     assert max(gaps[pvi_algorithm.MAX_DIVERGENCE]) < 1e-8, gaps
 
@@ -131,8 +131,8 @@ def test_breast_cancer_d31_with_faults_equals_the_clean_run():
     method = fedppl.PVI(_logistic, fedppl.PVIGuide(_logistic, family="fullrank"), "synchronous",
                         0.7, elbo_samples=0)
     clean = _clean(method, clients, 30)
-    method.runtime = faults = Watched(dropout=0.3, corrupt=0.05, seed=5)
-    result = _run(method, clients, 30)
+    faults = Watched(dropout=0.3, corrupt=0.05, seed=5)
+    result = _run(method, clients, 30, faults)
     assert all(faults.sound)
     assert max(_gap(result, clean)) < 1e-3, _gap(result, clean)
     assert {f for _, _, f in faults.events} >= {"dropped", "nan", "huge"}
@@ -144,7 +144,6 @@ def test_faults_refuses_bad_settings():
     with pytest.raises(ValueError, match="kinds"):
         Faults(kinds=("nan", "gremlins"))
     method = _pvi("loop")
-    method.runtime = Faults()
     with pytest.raises(ValueError, match="loop"):
         method.init(jax.random.key(0), fedppl.partition.homogeneous(
-            np.ones((20, 2)), np.ones(20), num_clients=2, seed=0))
+            np.ones((20, 2)), np.ones(20), num_clients=2, seed=0), runtime=Faults())

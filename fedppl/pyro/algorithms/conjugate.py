@@ -1,15 +1,19 @@
-"""The conjugate case in torch: a Gaussian likelihood whose mean is affine in the global sites.
+"""The conjugate case on a Pyro model: a Gaussian likelihood whose mean is affine in the global
+sites, read by torch, solved by the core.
 
-The twin of :mod:`fedppl.algorithms.conjugate`: when every observed site is ``Normal(loc(theta),
-scale)`` with ``loc`` affine in ``theta``, ``scale`` free of it and every global site real-valued,
-a client's likelihood is exactly a Gaussian factor in ``theta`` and the local free energy has a
-closed-form maximiser. :func:`check` decides whether a model is in this case (numerically, at
-random points); :func:`likelihood_terms` reads ``J``, the residual at zero and the precisions from
-the model (``torch.func.jacfwd``). The terms do not depend on ``q``, so a run reads them once.
+When every observed site is ``Normal(loc(theta), scale)`` with ``loc`` affine in ``theta``,
+``scale`` free of it and every global site real-valued, a client's likelihood is exactly a
+Gaussian factor in ``theta``. :func:`check` decides whether a Pyro model is in this case
+(numerically, at random points); :func:`likelihood_terms` reads ``J``, the residual at zero and
+the precisions from it (``torch.func.jacfwd``) as the core's
+:class:`~fedppl.algorithms.conjugate.GaussianLikelihood`. :class:`ConjugateSolver` is the core's
+closed-form local step (:class:`fedppl.algorithms.pvi.ConjugateSolver`) on those terms.
 
 Example::
 
     >>> import torch, pyro, pyro.distributions as dist
+    >>> from fedppl.algorithms.conjugate import likelihood_factor
+    >>> from fedppl.pyro.bridge import to_jax
     >>> from fedppl.pyro.guides import PVIGuide
     >>> def model(X, y=None):
     ...     w = pyro.sample("w", dist.Normal(0.0, 1.0).expand([X.shape[1]]).to_event(1))
@@ -19,43 +23,39 @@ Example::
     >>> layout = PVIGuide(model).setup(X, X.sum(1)).layout
     >>> check(model, layout, X, X.sum(1)) is None             # None when conjugate
     True
-    >>> likelihood_factor(likelihood_terms(model, layout, X, X.sum(1))).prec.shape
-    torch.Size([2, 2])
+    >>> likelihood_factor(to_jax(likelihood_terms(model, layout, X, X.sum(1)))).prec.shape
+    (2, 2)
 """
 
 from __future__ import annotations
 
 import math
 from collections.abc import Callable
-from typing import Any, NamedTuple
+from typing import Any, NamedTuple, cast
 
+import jax.numpy as jnp
 import numpy as np
 import pyro.distributions as dist
 import torch
+from jax import Array
 from pyro import poutine
 from pyro.poutine.util import site_is_subsample
 from torch import Tensor
 
-from fedppl.pyro.families.gaussian import FullGaussian
+from fedppl.algorithms import conjugate as core
+from fedppl.algorithms.conjugate import GaussianLikelihood
+from fedppl.algorithms.natural_gradient import LocalResult
+from fedppl.families import gaussian as g
+from fedppl.pyro.algorithms.terms import model_terms
 from fedppl.pyro.handlers.substitute import substitute
 from fedppl.pyro.sites import SiteLayout, cast_floats, is_identity, nodes, quiet, using
 
-__all__ = ["NotConjugate", "GaussianLikelihood", "ObservedSite", "observed_sites", "check",
-           "likelihood_terms", "likelihood_factor", "expected_log_lik", "affine_reason"]
+__all__ = ["NotConjugate", "ObservedSite", "observed_sites", "check", "likelihood_terms",
+           "affine_reason", "ConjugateSolver"]
 
 
 class NotConjugate(Exception):
     pass
-
-
-class GaussianLikelihood(NamedTuple):
-    """All observations flattened: ``y_n ~ N(loc0_n + J_n theta, 1 / prec_n)``, weights folded
-    into ``prec`` (zero for masked rows)."""
-
-    J: Tensor
-    resid: Tensor
-    prec: Tensor
-    log_norm: Tensor
 
 
 class ObservedSite(NamedTuple):
@@ -145,23 +145,8 @@ def likelihood_terms(model: Callable, layout: SiteLayout, *args: Any, **kwargs: 
     prec = weight / scale**2
     safe = torch.where(weight > 0, scale, 1.0)
     log_norm = -0.5 * torch.sum(weight * torch.log(2 * math.pi * safe**2))
-    return GaussianLikelihood(J, y - loc0, prec, log_norm)
-
-
-def likelihood_factor(lik: GaussianLikelihood) -> FullGaussian:
-    """The likelihood as a Gaussian factor in ``theta`` (batched over leading axes)."""
-    Jw = lik.J * lik.prec.unsqueeze(-1)
-    Jt = Jw.transpose(-1, -2)
-    return FullGaussian(torch.einsum("...dn,...n->...d", Jt, lik.resid),
-                        lik.J.transpose(-1, -2) @ Jw)
-
-
-def expected_log_lik(lik: GaussianLikelihood, mean: Tensor, cov: Tensor) -> Tensor:
-    """``E_q[log p(y | theta)]`` for ``q = N(mean, cov)``; ``mean``/``cov`` may carry a leading
-    candidate axis in front of ``lik``'s."""
-    err = lik.resid - torch.einsum("...nd,...d->...n", lik.J, mean)
-    spread = ((lik.J @ cov) * lik.J).sum(-1)
-    return lik.log_norm - 0.5 * torch.sum(lik.prec * (err**2 + spread), dim=-1)
+    terms: Any = (J, y - loc0, prec, log_norm)  # the core's terms, in torch
+    return GaussianLikelihood(*terms)
 
 
 def check(model: Callable, layout: SiteLayout, *args: Any, seed: int = 0, **kwargs: Any
@@ -186,3 +171,28 @@ def check(model: Callable, layout: SiteLayout, *args: Any, seed: int = 0, **kwar
     except NotConjugate as e:
         return str(e)
     return None
+
+
+class ConjugateSolver(NamedTuple):
+    """The core's closed-form local step (:class:`fedppl.algorithms.pvi.ConjugateSolver`) with the
+    client's likelihood terms read from the Pyro model by torch."""
+
+    model: Callable
+    guide: Any
+
+    def terms(self, data: tuple, mask: Array) -> GaussianLikelihood:
+        return GaussianLikelihood(*model_terms(likelihood_terms, self.model, self.guide, data,
+                                               mask))
+
+    def __call__(self, q_cavity, q, data, mask, rng_key):
+        lik = self.terms(data, mask)
+        target = cast(g.FullGaussian, g.product(g.to_full(q_cavity), core.likelihood_factor(lik)))
+        q_new = g.project_diag(target) if self.guide.diag else target
+        mean, cov = g.to_moments(g.to_full(q_new))
+        free_energy = core.expected_log_lik(lik, mean, cov) - g.kl(q_new, q_cavity)
+        return LocalResult(q_new, free_energy, jnp.asarray(True), jnp.asarray(1))
+
+    def expected_log_lik(self, q: g.Gaussian, data: tuple, mask: Array) -> Array:
+        """The client's ``E_q[log p(y_k | theta)]`` in closed form."""
+        mean, cov = g.to_moments(g.to_full(q))
+        return core.expected_log_lik(self.terms(data, mask), mean, cov)

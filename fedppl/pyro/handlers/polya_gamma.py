@@ -91,7 +91,7 @@ class PolyaGammaMessenger(Messenger):
 
     def _pyro_sample(self, msg) -> None:
         named = self.sites is not None and msg["name"] in self.sites
-        wrappers, base = _unwrap(msg["fn"])
+        wrappers, base = unwrap(msg["fn"])
         is_bernoulli = isinstance(base, torch.distributions.Bernoulli)
         observed, value = observation(self, msg)
         if named and not (observed and is_bernoulli):
@@ -115,7 +115,7 @@ class PolyaGammaMessenger(Messenger):
     def _pyro_post_sample(self, msg) -> None:
         if (msg["is_observed"] and "polya_gamma" not in msg["infer"]
                 and (self.sites is None or msg["name"] in self.sites)
-                and isinstance(_unwrap(msg["fn"])[1], torch.distributions.Bernoulli)):
+                and isinstance(unwrap(msg["fn"])[1], torch.distributions.Bernoulli)):
             raise ValueError(f"polya_gamma: site '{msg['name']}' was observed by a handler "
                              "enclosing polya_gamma after polya_gamma saw it as latent; apply "
                              "polya_gamma outside that handler")
@@ -138,7 +138,7 @@ def polya_gamma(fn: Callable | None = None,
     return msngr(fn) if fn is not None else msngr
 
 
-def _unwrap(fn):
+def unwrap(fn):
     """Peel ``Independent`` and expansions: re-wrapping functions and the base distribution."""
     wrappers: list[Callable] = []
     while True:

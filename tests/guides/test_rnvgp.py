@@ -7,8 +7,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from fedppl.algorithms.rnvgp import RandomisedConfig, kl_part, unbiased_cg
-from fedppl.guides.rnvgp import RNVGPGuide
+from fedppl.guides.rnvgp import RandomisedConfig, RNVGPGuide, kl_part, unbiased_cg
 from fedppl.guides.svgp import DiagGuide
 from fedppl.models import svgp
 
