@@ -55,10 +55,10 @@ import optax
 from jax import Array
 
 from fedppl.algorithms import ep, pvi
-from fedppl.optimise import minimise
 from fedppl.algorithms.trio import Trio
 from fedppl.families import gaussian as g
 from fedppl.guides.pvi_guide import PVIGuide
+from fedppl.optimise import minimise
 
 __all__ = ["METHODS", "TiltedLaplace", "make_trio", "consensus_draws"]
 

@@ -64,11 +64,11 @@ from fedppl.algorithms.natural_gradient import (
     PriorSolver,
     log_lik_fn,
 )
-from fedppl.optimise import minimise
 from fedppl.algorithms.trio import Trio
 from fedppl.families import gaussian as g
 from fedppl.guides.pvi_guide import PVIGuide
 from fedppl.handlers.client import client
+from fedppl.optimise import minimise
 
 __all__ = [
     "ServerState", "ClientState", "ClientMessage", "prior_update", "LocalSolver", "LocalResult",

@@ -30,9 +30,8 @@ from numpyro.infer import SVI
 
 import fedppl
 from fedppl import partition
-from fedppl.guides.rnvgp import RandomisedConfig
 from fedppl.guides.kronecker import KroneckerGuide
-from fedppl.guides.rnvgp import RNVGPGuide
+from fedppl.guides.rnvgp import RandomisedConfig, RNVGPGuide
 from fedppl.guides.svgp import DiagGuide, SVIGPGuide
 from fedppl.infer.bayesian_regression import FedBNR
 from fedppl.infer.fedavg_gp import FSGP, FSGPConfig
