@@ -124,7 +124,8 @@ class FlowerApp:
         self.server_state: Any = None
         self.fixed_config: dict[str, Any] | None = None  # simulate's run config, for the nodes
 
-    def task(self, run_config: Mapping[str, Any]) -> Task:
+    def task_for(self, run_config: Mapping[str, Any]) -> Task:
+        """The task for this run config, built once per process (the server and each node)."""
         if self.fixed_config is not None:
             run_config = self.fixed_config
         key = (self.token, tuple(sorted((k, repr(v)) for k, v in run_config.items())))

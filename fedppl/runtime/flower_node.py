@@ -68,7 +68,7 @@ class Node:
             x64 = content.config_records["meta"].get("x64", x64)
         if x64 is not None:
             jax.config.update("jax_enable_x64", bool(x64))
-        self.task = app.task(dict(context.run_config))
+        self.task = app.task_for(dict(context.run_config))
         self.partition = int(context.node_config.get("partition-id", 0))
         if content is not None and "init" in content.array_records:
             self._start(content)
@@ -161,15 +161,15 @@ class Node:
         inputs drawn from its rows), with a stand-in (every value 1) in the other clients'
         places; the server's record of it, made on a stand-in, is only checked for shapes."""
         meta = dict(content.config_records["init.meta"])
-        index, rows = int(cast(int, meta["index"])), int(cast(int, meta["rows"]))
+        k, rows = int(cast(int, meta["index"])), int(cast(int, meta["rows"]))
         built = self._built(rows)
         unpack(content.array_records["init"], built.client, "the server", "client state")
         own = self._arrays()
         data = [tuple(np.ones((rows, *a.shape[1:]), a.dtype) for a in own)
                 for _ in range(self.task.num_clients)]
-        data[index] = own
-        client = index(self._set_up(Clients.from_list(data))["clients"], index)
-        self._save(client, {**self._meta(), "index": index, "rows": rows, "pending": -1})
+        data[k] = own
+        client = index(self._set_up(Clients.from_list(data))["clients"], k)
+        self._save(client, {**self._meta(), "index": k, "rows": rows, "pending": -1})
 
     def _acknowledge(self, built: _Built, content: RecordDict, meta: dict) -> Any:
         """This node's state after the server's reply to its pending message (if the server sent
