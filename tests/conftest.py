@@ -1,5 +1,6 @@
 from __future__ import annotations
 
+import gc
 import os
 
 # Small dense solves run ~30x slower with OpenBLAS threads fighting over 2 busy cores; one
@@ -16,6 +17,20 @@ jax.config.update("jax_enable_x64", True)
 # Long jobs on a busy 2-core machine deadlocked a few times under asynchronous CPU dispatch
 # (jaxlib 0.10.2, every thread in a futex wait); the tests dispatch synchronously.
 jax.config.update("jax_cpu_enable_async_dispatch", False)
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _free_compiled_code():
+    """After each test module, drop the compiled programs it made: the methods' shared rounds
+    (``fedppl.infer.base.clear_compiled``) and JAX's caches. Every compiled XLA:CPU program holds
+    memory mappings; a worker that kept all of a 1,500-test suite's reached 52,000 of the
+    kernel's 65,530 and crashed in the compiler. Tests of one module still share them."""
+    yield
+    from fedppl.infer.base import clear_compiled
+
+    clear_compiled()
+    jax.clear_caches()
+    gc.collect()
 
 
 def linear_model(X, y=None, noise=0.5):

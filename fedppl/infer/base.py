@@ -66,6 +66,7 @@ from fedppl.infer.round_log import Progress
 from fedppl.runtime.embedded import make_round
 
 __all__ = ["RunState", "RunLog", "Plan", "Runtime", "EMBEDDED", "Result", "FederatedMethod",
+           "clear_compiled",
            "COMMON_HISTORY", "num_bytes", "plain", "shared", "embedded_round"]
 
 COMMON_HISTORY = ("round", "seconds", "messages_up", "messages_down", "bytes_up", "bytes_down",
@@ -85,7 +86,7 @@ class Runtime(NamedTuple):
     data_at_server: bool = True
 
 
-@lru_cache(maxsize=64)
+@lru_cache(maxsize=32)
 def embedded_round(trio: Trio, schedule: str) -> Callable:
     """The embedded runtime's round for ``trio`` and ``schedule``, made once per (trio,
     schedule) in a process (and so compiled once): methods with the same settings share their
@@ -108,9 +109,18 @@ def shared(make: Callable[..., Any], *args: Any) -> Any:
     return _shared(make, *args)
 
 
-@lru_cache(maxsize=128)
+@lru_cache(maxsize=64)
 def _shared(make: Callable[..., Any], *args: Any) -> Any:
     return make(*args)
+
+
+def clear_compiled() -> None:
+    """Forget the trios and rounds shared between methods (:func:`shared`,
+    :func:`embedded_round`), and with them their compiled code. Each compiled XLA program holds
+    memory mappings of its own; a process that builds hundreds of distinct methods (a test
+    suite) calls this between groups of them to stay under the kernel's map limit."""
+    embedded_round.cache_clear()
+    _shared.cache_clear()
 
 
 def as_runtime(runtime: Any) -> Runtime:
