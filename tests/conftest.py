@@ -19,18 +19,34 @@ jax.config.update("jax_enable_x64", True)
 jax.config.update("jax_cpu_enable_async_dispatch", False)
 
 
+# memory maps a test worker may hold before it drops its compiled code (the kernel's limit,
+# vm.max_map_count, is 65,530 by default)
+MAX_MAPS = 20_000
+
+
+def _memory_maps() -> int:
+    try:
+        with open("/proc/self/maps", "rb") as f:
+            return sum(1 for _ in f)
+    except OSError:  # not Linux
+        return 0
+
+
 @pytest.fixture(scope="module", autouse=True)
 def _free_compiled_code():
-    """After each test module, drop the compiled programs it made: the methods' shared rounds
-    (``fedppl.infer.base.clear_compiled``) and JAX's caches. Every compiled XLA:CPU program holds
-    memory mappings; a worker that kept all of a 1,500-test suite's reached 52,000 of the
-    kernel's 65,530 and crashed in the compiler. Tests of one module still share them."""
+    """After a test module, if this worker holds more than ``MAX_MAPS`` memory maps, drop the
+    compiled programs (the methods' shared rounds, ``fedppl.infer.base.clear_compiled``, and
+    JAX's caches). Every compiled XLA:CPU program holds memory maps of its own: a worker that
+    kept all of its share of the suite's programs reached 52,735 of the kernel's 65,530 and
+    segfaulted in the compiler. Clearing after every module instead slowed the suite down
+    (common programs compiled again in each module), hence the threshold."""
     yield
-    from fedppl.infer.base import clear_compiled
+    if _memory_maps() > MAX_MAPS:
+        from fedppl.infer.base import clear_compiled
 
-    clear_compiled()
-    jax.clear_caches()
-    gc.collect()
+        clear_compiled()
+        jax.clear_caches()
+        gc.collect()
 
 
 def linear_model(X, y=None, noise=0.5):
