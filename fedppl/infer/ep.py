@@ -52,12 +52,14 @@ from fedppl.infer.variational import (
     SOLVERS,
     PVIResult,
     Static,
+    broadcast_bytes,
     elbo_fn,
     flat_factors,
     initial_states,
     kl_tol_rule,
     message_bytes,
     record,
+    refused,
     result,
     set_up,
     start_log,
@@ -265,14 +267,10 @@ class EP(FederatedMethod):
         return Plan(trio, self.schedule, server, cstates, ep_record, ep_result,
                     log=start_log(K), rng_key=rng_key, static=static)
 
-    def _message_bytes(self, msgs: Any) -> int:
-        return message_bytes(msgs)
-
-    def _broadcast_bytes(self, server: pvi.ServerState) -> int:
-        return g.num_bytes(server.q)
-
-    def _refused(self, replies: Array, active: np.ndarray) -> np.ndarray:
-        return np.asarray(replies) <= 0
+    # what the PVI family sends and refuses (fedppl.infer.variational)
+    _message_bytes = staticmethod(message_bytes)
+    _broadcast_bytes = staticmethod(broadcast_bytes)
+    _refused = staticmethod(refused)
 
     def _tol_rule(self, tol: float | None) -> StopRule | None:
         return kl_tol_rule(tol)

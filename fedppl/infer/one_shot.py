@@ -39,8 +39,10 @@ from fedppl.infer.base import FederatedMethod, Plan, RunState, shared
 from fedppl.infer.ep import EP, EPResult, ep_record, ep_static, prior_share
 from fedppl.infer.variational import (
     PVIResult,
+    broadcast_bytes,
     initial_states,
     message_bytes,
+    refused,
     result,
     set_up,
     start_log,
@@ -131,11 +133,8 @@ class OneShot(FederatedMethod):
         extra = 0 if msgs.draws is None else msgs.draws[0].nbytes
         return message_bytes(msgs) + extra
 
-    def _broadcast_bytes(self, server: pvi.ServerState) -> int:
-        return g.num_bytes(server.q)
-
-    def _refused(self, replies: Array, active: np.ndarray) -> np.ndarray:
-        return np.asarray(replies) <= 0
+    _broadcast_bytes = staticmethod(broadcast_bytes)  # as PVI's (fedppl.infer.variational)
+    _refused = staticmethod(refused)
 
     def init(self, rng_key: Array, clients: Clients, factors: g.Gaussian | None = None, *,
              resume: PVIResult | None = None, runtime: Any = None,

@@ -34,7 +34,7 @@ import numpy as np
 import optax
 from jax import Array
 
-from fedppl import validation
+from fedppl import trees, validation
 from fedppl.algorithms import conjugate, natural_gradient, polya_gamma, pvi, solvers
 from fedppl.algorithms.dp_pvi import DPLocalAveraging, DPOptimisation, DPVirtualParties
 from fedppl.algorithms.natural_gradient import PriorSolver
@@ -176,6 +176,21 @@ class PVIResult(Result):
                           local=self.local, warn=warn, **model_kwargs)
 
 
+def message_bytes(msgs: Any) -> int:
+    """Bytes of one client's factor update (messages stacked on the client axis)."""
+    return g.num_bytes(trees.first(msgs.delta))
+
+
+def broadcast_bytes(server: pvi.ServerState) -> int:
+    """Bytes of what the server sends each client: q."""
+    return g.num_bytes(server.q)
+
+
+def refused(replies: Array, active: np.ndarray) -> np.ndarray:
+    """The clients whose update the server did not accept (a step of 0 or a refusal code)."""
+    return np.asarray(replies) <= 0
+
+
 class PVI(FederatedMethod):
     """Partitioned variational inference over the global sites of a NumPyro model.
 
@@ -312,14 +327,10 @@ class PVI(FederatedMethod):
         return Plan(trio, self.schedule, server, cstates, record, result,
                     log=start_log(clients.num_clients), rng_key=rng_key, static=static)
 
-    def _message_bytes(self, msgs: pvi.ClientMessage) -> int:
-        return message_bytes(msgs)
-
-    def _broadcast_bytes(self, server: pvi.ServerState) -> int:
-        return g.num_bytes(server.q)
-
-    def _refused(self, replies: Array, active: np.ndarray) -> np.ndarray:
-        return np.asarray(replies) <= 0
+    # what the PVI family sends and refuses (shared with EP and OneShot)
+    _message_bytes = staticmethod(message_bytes)
+    _broadcast_bytes = staticmethod(broadcast_bytes)
+    _refused = staticmethod(refused)
 
     # -- running -------------------------------------------------------------------------------
 
@@ -487,10 +498,6 @@ def result(state: RunState, history: dict[str, np.ndarray],
                      local=state.clients.local, prior_factor=state.server.prior_factor,
                      model=st.model, privacy=_privacy_report(st, log, plan.names))
 
-
-def message_bytes(msgs: Any) -> int:
-    """Bytes of one client's factor update (messages stacked on the client axis)."""
-    return g.num_bytes(jax.tree_util.tree_map(lambda x: x[0], msgs.delta))
 
 
 def kl_tol_rule(tol: float | None) -> StopRule | None:
