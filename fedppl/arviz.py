@@ -38,7 +38,7 @@ import numpy as np
 from fedppl import validation
 
 if TYPE_CHECKING:  # pragma: no cover
-    from fedppl.infer.variational import PVIResult
+    from fedppl.infer.pvi_result import PVIResult
 
 __all__ = ["NUM_CHAINS", "to_inference_data", "from_dict", "as_chains", "check_num_samples",
            "history_attrs", "arviz_base", "arviz_stats", "arviz_plots"]

@@ -48,9 +48,8 @@ from fedppl.infer.base import (
     check_tol,
     shared,
 )
-from fedppl.infer.variational import (
+from fedppl.infer.pvi_plan import (
     SOLVERS,
-    PVIResult,
     Static,
     broadcast_bytes,
     elbo_fn,
@@ -64,6 +63,7 @@ from fedppl.infer.variational import (
     set_up,
     start_log,
 )
+from fedppl.infer.pvi_result import PVIResult
 from fedppl.model_call import positional
 from fedppl.runtime.embedded import SCHEDULES
 

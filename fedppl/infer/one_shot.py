@@ -37,8 +37,7 @@ from fedppl.families import gaussian as g
 from fedppl.guides.pvi_guide import PVIGuide
 from fedppl.infer.base import FederatedMethod, Plan, RunState, shared
 from fedppl.infer.ep import EP, EPResult, ep_record, ep_static, prior_share
-from fedppl.infer.variational import (
-    PVIResult,
+from fedppl.infer.pvi_plan import (
     broadcast_bytes,
     initial_states,
     message_bytes,
@@ -47,6 +46,7 @@ from fedppl.infer.variational import (
     set_up,
     start_log,
 )
+from fedppl.infer.pvi_result import PVIResult
 
 __all__ = ["OneShot", "OneShotResult"]
 

@@ -50,8 +50,7 @@ from fedppl.algorithms.natural_gradient import NaturalGradientSolver, PriorSolve
 from fedppl.algorithms.trio import Trio
 from fedppl.clients import Clients
 from fedppl.infer.base import Plan, RunState, shared
-from fedppl.infer.variational import PVI as CorePVI
-from fedppl.infer.variational import (
+from fedppl.infer.pvi_plan import (
     Static,
     elbo_fn,
     initial_states,
@@ -59,6 +58,7 @@ from fedppl.infer.variational import (
     result,
     start_log,
 )
+from fedppl.infer.variational import PVI as CorePVI
 from fedppl.pyro.algorithms import conjugate, polya_gamma
 from fedppl.pyro.bridge import to_jax, to_torch
 from fedppl.pyro.checks import check_clients

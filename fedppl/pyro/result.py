@@ -11,7 +11,7 @@ from typing import Any, cast
 import torch
 from torch import Tensor
 
-from fedppl.infer.variational import PVIResult as CoreResult
+from fedppl.infer.pvi_result import PVIResult as CoreResult
 from fedppl.pyro.families import gaussian as g
 from fedppl.pyro.guides.pvi_guide import PVIGuide
 

@@ -1,0 +1,310 @@
+"""The plan pieces PVI, GlobalVI, EP and OneShot share: the guide's set-up and the clients'
+checks, the initial states, how a round's messages become a history row (``record``) and the
+final state a result (``result``), what a message costs on the wire, the trio and the global
+ELBO (made once per settings through :func:`fedppl.infer.base.shared`)."""
+
+from __future__ import annotations
+
+import copy
+from collections.abc import Callable
+from typing import Any, NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax import Array
+
+from fedppl import trees
+from fedppl.algorithms import conjugate, natural_gradient, polya_gamma, pvi, solvers
+from fedppl.algorithms.natural_gradient import PriorSolver
+from fedppl.algorithms.trio import Trio
+from fedppl.clients import Clients
+from fedppl.families import gaussian as g
+from fedppl.guides.pvi_guide import PVIGuide
+from fedppl.handlers.client import client
+from fedppl.infer.base import RunState, StopRule
+from fedppl.infer.pvi_result import PVIResult
+from fedppl.infer.round_log import RoundRecord, report
+
+__all__ = ["SOLVERS", "Static", "Log", "start_log", "set_up", "check_clients", "flat_factors",
+           "initial_states", "record", "result", "kl_tol_rule", "pvi_trio", "elbo_fn",
+           "message_bytes", "broadcast_bytes", "refused"]
+
+SOLVERS = ("natural-gradient", "optax")
+
+
+def message_bytes(msgs: Any) -> int:
+    """Bytes of one client's factor update (messages stacked on the client axis)."""
+    return g.num_bytes(trees.first(msgs.delta))
+
+
+def broadcast_bytes(server: pvi.ServerState) -> int:
+    """Bytes of what the server sends each client: q."""
+    return g.num_bytes(server.q)
+
+
+def refused(replies: Array, active: np.ndarray) -> np.ndarray:
+    """The clients whose update the server did not accept (a step of 0 or a refusal code)."""
+    return np.asarray(replies) <= 0
+
+
+
+class Static(NamedTuple):
+    """The static part of a Gaussian-q plan (``plan.static``): the guide as set up for the run
+    (a copy that later set-ups of the method's guide leave alone), the model as run (static
+    keyword arguments bound), the compiled global ELBO (None: none), the clients' sizes, a
+    private run's calibration and settings, the shrink warning's factor, EP's damping (a number
+    or a function of the server's round) and a one-shot's method (``"consensus"``: the server
+    merges the clients' draws)."""
+
+    guide: PVIGuide
+    model: Callable
+    elbo: Callable | None
+    sizes: np.ndarray
+    calibration: solvers.Calibration | None
+    privacy: Any
+    shrink_warning: float
+    rho: Any = None
+    one_shot: str | None = None
+
+
+class Log(NamedTuple):
+    """A Gaussian-q run's accumulators (``state.log.method``): the round log's record, the
+    rounds each client took part in (privacy accounting) and a consensus one-shot's merged
+    draws."""
+
+    rounds: RoundRecord
+    dp_rounds: np.ndarray
+    merged: Array | None = None
+
+
+def start_log(num_clients: int) -> Log:
+    return Log(RoundRecord(), np.zeros(num_clients, int))
+
+
+def set_up(guide: PVIGuide, clients: Clients, model_kwargs: dict,
+           polya_gamma_model: Callable | None = None) -> PVIGuide:
+    """``guide`` set up on client 0's data, the clients checked against the model (every
+    observation in its support, local sites of one shape), and a copy of the guide that the
+    run keeps (later set-ups of ``guide`` on other shapes leave it alone). With
+    ``polya_gamma_model``, Polya-Gamma's own checks come first (their errors say more)."""
+    guide.setup(*clients.client(0), **model_kwargs)
+    if polya_gamma_model is not None and guide.local_layout is None:
+        polya_gamma.validate(polya_gamma_model, guide, clients)
+    check_clients(guide, clients, model_kwargs)
+    return copy.copy(guide)
+
+
+def flat_factors(prior: g.Gaussian, num_clients: int) -> g.Gaussian:
+    """Flat factors ``t_k = 1`` for ``num_clients`` clients, stacked."""
+    zero = g.zeros_like(prior)
+    return jax.tree_util.tree_map(lambda x: jnp.broadcast_to(x, (num_clients, *x.shape)), zero)
+
+
+def initial_states(guide: PVIGuide, K: int, factors: g.Gaussian | None,
+                   resume: PVIResult | None, prior_factor: bool
+                   ) -> tuple[pvi.ServerState, pvi.ClientState]:
+    """The server's and the clients' first states: the factors (``factors`` or ``resume``'s,
+    checked against the model's shapes, else flat), the server's prior factor (``resume``'s, or
+    flat) where ``prior_factor``, and the clients' private guides."""
+    prior = guide.prior_or_raise()
+    if resume is not None:
+        factors = resume.factors
+    want = flat_factors(prior, K)
+    factors = want if factors is None else g.strong(factors)
+    if jax.tree_util.tree_map(jnp.shape, factors) != jax.tree_util.tree_map(jnp.shape, want):
+        raise ValueError(
+            "the factors to resume from do not fit this model and these clients: shapes "
+            f"{jax.tree_util.tree_map(jnp.shape, factors)}, expected "
+            f"{jax.tree_util.tree_map(jnp.shape, want)} (a different number of clients or "
+            "of features?)")
+    t0 = None
+    if prior_factor:
+        t0 = (resume.prior_factor if resume is not None and resume.prior_factor is not None
+              else g.zeros_like(prior))
+    local = guide.init_local()
+    if local is not None:
+        local = (resume.local if resume is not None and resume.local is not None else
+                 jax.tree_util.tree_map(lambda x: jnp.broadcast_to(x, (K, *x.shape)), local))
+    return pvi.init(prior, factors, t0), pvi.ClientState(factors, local)
+
+
+def record(before: RunState, after: RunState, msgs: Any, steps: Array, active: np.ndarray,
+           rng_key: Array) -> tuple[Log, dict[str, Any]]:
+    """A round's history columns (``free_energy``, ``converged``, ``local_iterations``,
+    ``step``, ``kl_change``, ``elbo``, a private run's ``epsilon``) and the accumulators after
+    it (the round log warns here, naming the clients)."""
+    plan = after.plan
+    assert plan is not None  # a started run's state
+    st, log = plan.static, after.log.method
+    q_old, q_new = before.server.q, after.server.q
+    steps = np.asarray(steps)
+    rounds = report(log.rounds, plan.names, st.shrink_warning, after.round - 1, steps, msgs,
+                    active, q_old, q_new)
+    row = {"free_energy": np.where(active, np.asarray(msgs.free_energy), np.nan),
+           "converged": np.where(active, np.asarray(msgs.converged, float), np.nan),
+           "local_iterations": np.where(active, np.asarray(msgs.iterations, float), np.nan),
+           "step": np.where(active, np.maximum(np.asarray(steps, float), 0.0), np.nan),
+           "kl_change": float(_kl_change(q_new, q_old))}
+    row["elbo"] = np.nan
+    dp_rounds = log.dp_rounds
+    if st.privacy is not None:
+        dp_rounds = dp_rounds + np.asarray(active, bool)
+        row["epsilon"] = _epsilon(st, dp_rounds)
+    elif st.elbo is not None and plan.data_at_server:
+        row["elbo"] = float(st.elbo(after.server, after.clients, after.data, after.masks,
+                                    rng_key))
+    return log._replace(rounds=rounds, dp_rounds=dp_rounds), row
+
+
+def result(state: RunState, history: dict[str, np.ndarray],
+           rejected: list[tuple[int, str, str]]) -> PVIResult:
+    """The result of a run that ended in ``state`` (the refusals are the round log's)."""
+    plan = state.plan
+    assert plan is not None  # a started run's state
+    st, log = plan.static, state.log.method
+    return PVIResult(guide=st.guide, q=state.server.q, factors=state.clients.factor,
+                     history=history, rejected=list(log.rounds.rejected),
+                     client_names=plan.names, unconverged=list(log.rounds.unconverged),
+                     local=state.clients.local, prior_factor=state.server.prior_factor,
+                     model=st.model, privacy=_privacy_report(st, log, plan.names))
+
+
+
+def kl_tol_rule(tol: float | None) -> StopRule | None:
+    """``run(..., tol=)``: stop once q moves by ``KL(q_new || q_old) <= tol`` in a round."""
+    if tol is None:
+        return None
+
+    def rule(rows: list[dict[str, Any]]) -> str | None:
+        kl = float(rows[-1]["kl_change"])
+        return f"kl_change {kl:.3g} <= tol {tol:g}" if kl <= tol else None
+
+    return rule
+
+
+def _epsilon(st: Static, dp_rounds: np.ndarray) -> np.ndarray:
+    assert st.privacy is not None and st.calibration is not None
+    return st.privacy.spent(st.calibration.sigma, dp_rounds, st.sizes, st.calibration.steps)
+
+
+def _privacy_report(st: Static, log: Log, names: tuple[str, ...]) -> dict[str, Any] | None:
+    if st.privacy is None:
+        return None
+    assert st.calibration is not None  # calibrated with the solver
+    eps = _epsilon(st, log.dp_rounds)
+    return {"epsilon": dict(zip(names, eps.tolist(), strict=True)),
+            "worst_epsilon": float(eps.max()), "delta": st.privacy.delta,
+            "noise_multiplier": st.calibration.sigma, "clip": st.privacy.clip}
+
+
+# -- compiled once per (model, guide, settings) ----------------------------------------------
+
+
+def pvi_trio(solver: pvi.LocalSolver, damping: float, guide: PVIGuide,
+              prior_solver: PriorSolver | None, line_search: bool, schedule: str,
+              max_divergence: float) -> Trio:
+    """PVI's trio (made once per settings and guide through :func:`fedppl.infer.base.shared`,
+    so one round, compiled once: see :func:`fedppl.infer.base.embedded_round`)."""
+    return pvi.make_trio(solver, damping, guide.prior_or_raise(), prior_solver=prior_solver,
+                         line_search=line_search, schedule=schedule,
+                         max_divergence=max_divergence)
+
+
+def elbo_fn(solver: pvi.LocalSolver, model: Callable, prior_solver: PriorSolver | None,
+             guide: PVIGuide, S: int) -> Callable:
+    """Jitted global ELBO ``sum_k E_q[log p(y_k, z_k | theta)] + H[q(z_k | theta)] +
+    E_q[prior correction] - KL(q || p~)`` with ``S`` fresh draws (in closed form for a
+    conjugate model); made once per solver, model and guide through
+    :func:`fedppl.infer.base.shared`."""
+    prior = guide.prior_or_raise()
+
+    if isinstance(solver, pvi.ConjugateSolver):
+
+        def per_client(q, data_k, mask_k, local_k, key):
+            lik = conjugate.likelihood_terms(client(model, mask=mask_k), guide.layout, *data_k)
+            mean, cov = g.to_moments(g.to_full(q))
+            return conjugate.expected_log_lik(lik, mean, cov)
+
+    else:
+
+        def per_client(q, data_k, mask_k, local_k, key):
+            log_lik = natural_gradient.log_lik_fn(model, guide, data_k, mask_k)
+            joint = q if local_k is None else g.join(q, local_k, guide.client_diag)
+            phi = g.sample(key, joint, S)
+            ll = jnp.mean(jax.vmap(log_lik)(phi, jnp.arange(S)))
+            return ll if local_k is None else ll + g.conditional_entropy(local_k)
+
+    @jax.jit
+    def elbo(state, clients, data, masks, key):
+        q = state.q
+        keys = jax.random.split(key, masks.shape[0])
+        ell = jax.vmap(per_client, in_axes=(None, 0, 0, 0, 0))(q, data, masks, clients.local,
+                                                               keys)
+        total = jnp.sum(ell) - g.kl(q, prior)
+        if prior_solver is not None:
+            theta = g.sample(jax.random.fold_in(key, 1), q, S)
+            total = total + jnp.mean(jax.vmap(prior_solver.correction)(theta))
+        return total
+
+    return elbo
+
+
+def check_clients(guide: PVIGuide, clients: Clients, model_kwargs: dict) -> None:
+    """Before anything is compiled: every client's observations lie in their likelihood's
+    support (Bernoulli labels in {0, 1}, counts non-negative integers...), and every client's
+    model gives each local site the shape of the padded prototype."""
+    from numpyro import handlers
+
+    want = {} if guide.local_layout is None else {s.name: s.shape
+                                                  for s in guide.local_layout.sites}
+    if not want and clients.num_clients > 1 and _observations_in_support(
+            guide.model, clients.pooled().client(0), model_kwargs):
+        return  # one trace of the pooled rows; the loop below only to name a failing client
+    for k in range(clients.num_clients):
+        who = clients.names[k]
+        try:
+            tr = handlers.trace(handlers.seed(guide.model, 0)).get_trace(*clients.client(k),
+                                                                         **model_kwargs)
+        except Exception as err:  # the model's own error, with the client's name
+            raise ValueError(f"{who}: the model fails on this client's data: {err}") from err
+        for name, site in tr.items():
+            if site["type"] != "sample" or not site["is_observed"]:
+                continue
+            inside = np.asarray(site["fn"].support(site["value"]))
+            if not inside.all():
+                bad = np.asarray(site["value"])[~inside] if inside.shape == np.shape(
+                    site["value"]) else np.asarray(site["value"]).ravel()[:5]
+                raise ValueError(f"{who}: observed site '{name}' has values outside its "
+                                 f"distribution's support {site['fn'].support} (e.g. "
+                                 f"{np.unique(bad)[:5].tolist()})")
+        for name, shape in want.items():
+            if name not in tr:
+                raise ValueError(f"{who}: the model has no local site '{name}' with this "
+                                 "client's data")
+            got = tuple(jnp.shape(tr[name]["value"]))
+            if got != shape:
+                raise ValueError(
+                    f"local site '{name}' has shape {got} for {who} but {shape} for "
+                    f"{clients.names[0]}; every client's private guide must have one shape. Give "
+                    "the model the number of groups as a static keyword argument (the largest "
+                    "over clients; groups without data keep their prior)"
+                )
+
+
+def _observations_in_support(model: Callable, data: tuple, model_kwargs: dict) -> bool:
+    """Whether the model runs on ``data`` with every observation in its likelihood's support."""
+    from numpyro import handlers
+
+    try:
+        tr = handlers.trace(handlers.seed(model, 0)).get_trace(*data, **model_kwargs)
+    except Exception:
+        return False
+    return all(bool(np.all(site["fn"].support(site["value"]))) for site in tr.values()
+               if site["type"] == "sample" and site["is_observed"])
+
+
+@jax.jit
+def _kl_change(q_new: g.Gaussian, q_old: g.Gaussian) -> Array:
+    return g.kl(q_new, q_old)
+

@@ -1,0 +1,133 @@
+"""``PVIResult``: what PVI, GlobalVI, EP and OneShot return (a Gaussian ``q`` over a NumPyro
+model's global sites, the clients' factors, the run's history), and its check against the
+pooled posterior (:meth:`PVIResult.check`, :meth:`PVIResult.refine`)."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any, ClassVar
+
+import jax
+from jax import Array
+
+from fedppl.clients import Clients
+from fedppl.families import gaussian as g
+from fedppl.guides.pvi_guide import PVIGuide
+from fedppl.infer.base import Result
+
+__all__ = ["PVIResult"]
+
+
+@dataclass(kw_only=True)
+class PVIResult(Result):
+    """The outcome of a run: the posterior ``q``, the client factors and per-round history.
+
+    ``history`` maps to arrays with one row per round: ``free_energy`` (rounds, K) local free
+    energies, ``converged`` (rounds, K; 1, 0, or NaN for a client not in the round) whether each
+    local step met its tolerance, ``local_iterations`` (rounds, K), ``kl_change`` the KL from
+    the previous round's q to this round's (how far q still moves), ``elbo`` global ELBO
+    estimate, ``messages_up``/``messages_down`` and ``bytes_up``/``bytes_down`` (per round),
+    ``seconds``, ``step`` (rounds, K) the step each client's update was applied with (1 in
+    full, less when the server shrank it, 0 when it refused it). ``rejected`` lists
+    ``(round, client, reason)`` for updates the server refused; ``unconverged`` lists
+    ``(round, client)`` for local steps that stopped at their cap. A private run (``privacy=``)
+    adds ``epsilon`` (rounds, K): each client's cumulative epsilon after each round.
+    """
+
+    guide: PVIGuide
+    q: g.Gaussian
+    factors: g.Gaussian
+    unconverged: list[tuple[int, str]] = field(default_factory=list)
+    local: g.Conditional | None = None  # the clients' private guides, stacked (local sites)
+    prior_factor: g.Gaussian | None = None  # the server's t_0 (non-Gaussian priors)
+    model: Callable | None = None  # the model as run (static keyword arguments bound)
+    # a private run's guarantee: per-client ``epsilon``, ``worst_epsilon``, ``delta``,
+    # ``noise_multiplier`` (see fedppl.algorithms.dp_pvi); None for a non-private run
+    privacy: dict[str, Any] | None = None
+    # history entries (rounds, K) that to_arviz exports per client for the last round
+    client_stats: ClassVar[tuple[str, ...]] = ()
+
+    def summary(self) -> dict[str, Any]:
+        out = super().summary()
+        if self.privacy is not None:  # the guarantee travels with the result's summary
+            out.update(epsilon=self.privacy["worst_epsilon"], delta=self.privacy["delta"])
+        return out
+
+    @property
+    def posterior(self) -> dict[str, Any]:
+        """Per-site marginal distributions of the global sites (constrained space)."""
+        return self.guide.posterior(self.q)
+
+    def sample(self, rng_key: Array, num_samples: int, client: int | str | None = None
+               ) -> dict[str, Array]:
+        """Joint posterior draws keyed by site name, constrained: ``{name: (num_samples, ...)}``.
+
+        ``client`` (an index or a name) adds that client's local sites, drawn from its private
+        guide given each draw of the global ones."""
+        local = None
+        if client is not None:
+            k = self._client_index(client, self.factors.nat1.shape[0])
+            local = None if self.local is None else jax.tree_util.tree_map(lambda x: x[k],
+                                                                           self.local)
+        return self.guide.sample(rng_key, self.q, num_samples, local)
+
+    def predictive(self, rng_key: Array, *args: Any, num_samples: int = 1000,
+                   client: int | str | None = None, **kwargs: Any) -> dict[str, Array]:
+        """Posterior predictive draws of the model at new inputs (numpyro's ``Predictive`` with
+        this posterior's draws; ``client`` uses that client's local sites). Pass the model's
+        arguments with ``y=None`` (or without the observations) to predict them."""
+        from numpyro.infer import Predictive
+
+        key_post, key_pred = jax.random.split(rng_key)
+        draws = self.sample(key_post, num_samples, client)
+        model = self.model if self.model is not None else self.guide.model
+        return Predictive(model, posterior_samples=draws)(key_pred, *args, **kwargs)
+
+    def mean_and_cov(self) -> tuple[Array, Array]:
+        """Mean and covariance of q over the flat unconstrained vector."""
+        return g.to_moments(self.q)
+
+    def to_arviz(self, rng_key: Array | None = None, num_samples: int = 1000):
+        """An ``xarray.DataTree`` for ArviZ 1.x (``arviz_base.from_dict``): ``num_samples``
+        draws of q as 4 chains, the factors per client (see :mod:`fedppl.arviz`; needs
+        ``pip install 'fedppl[arviz]'``)."""
+        from fedppl.arviz import to_inference_data
+
+        return to_inference_data(self, rng_key, num_samples)
+
+    def check(self, rng_key: Array, clients: Clients, num_draws: int = 1000, *,
+              progress_bar: bool = False, **kwargs: Any):
+        """How far ``q`` is from the posterior the pooled data give, in one more round: ``S``
+        draws of the global sites to every client, ``S`` log-likelihoods back; Pareto k-hat,
+        effective sample size and corrected moments (:class:`fedppl.infer.importance.Importance`
+        takes the other keyword arguments: ``df``, ``local_draws``, ...; the rest are the
+        model's static keyword arguments, by default those the run was given). Warns when k-hat
+        says the answer is unreliable. Needs ``fedppl[arviz]`` (arviz-stats' PSIS)."""
+        return self._importance(rng_key, clients, 1, num_draws, progress_bar, kwargs)
+
+    def refine(self, rng_key: Array, clients: Clients, num_rounds: int = 10,
+               num_draws: int = 1000, *, progress_bar: bool = True, **kwargs: Any):
+        """The check's exchange repeated (round 1 is the check), each round proposing from a t
+        fitted to the weighted draws so far, until k-hat is below ``khat_target`` (0.5) and the
+        ESS above ``ess_target`` (2000), or ``num_rounds``: an
+        :class:`~fedppl.infer.importance.ImportanceResult` whose moments and draws converge to
+        the pooled posterior's as the draws grow."""
+        return self._importance(rng_key, clients, num_rounds, num_draws, progress_bar, kwargs)
+
+    def _importance(self, rng_key, clients, num_rounds, num_draws, progress_bar, kwargs):
+        from fedppl.infer.importance import SETTINGS, Importance
+
+        if self.privacy is not None:
+            raise ValueError("this run is differentially private, and the check's messages (each "
+                             "client's log-likelihood at shared draws) are not privatised or "
+                             "accounted for: fedppl refuses to check a private run rather than "
+                             "spend privacy it has not counted")
+        warn = bool(kwargs.pop("warn", True))
+        settings = {k: kwargs.pop(k) for k in list(kwargs) if k in SETTINGS}
+        model_kwargs = dict(getattr(self.model, "keywords", None) or {})
+        model_kwargs.update(kwargs)
+        method = Importance(self.guide.model, self.guide, self.q, num_draws=num_draws,
+                            **settings)
+        return method.run(rng_key, clients, num_rounds, progress_bar=progress_bar,
+                          local=self.local, warn=warn, **model_kwargs)
