@@ -19,8 +19,10 @@ method-specific:
   privacy noise at its clients (``privacy=``) has each node fold its own secret, drawn once from
   the operating system and kept in its context, into that key, so the server that sent the key
   cannot regenerate the noise (its runs are then not the embedded runtime's to the bit).
-  Synchronous rounds send to every node at once; sequential rounds one node at a time, the
-  server updating after each. A server that scores candidates on the clients' data (FedBNR's
+  The round is the embedded runtime's own (:func:`~fedppl.runtime.embedded.make_round` with the
+  nodes as its :class:`~fedppl.runtime.embedded.ClientMap`, in place of ``vmap``): synchronous
+  rounds send to every node at once; sequential rounds one node at a time, the server updating
+  after each. A server that scores candidates on the clients' data (FedBNR's
   evaluation, PVI's line search) asks them in ``evaluate`` exchanges from inside ``server_update``;
 * **faults**: a node that does not answer within ``round_timeout`` seconds, answers with an
   error, or sends a message of the wrong structure, shape or dtype takes no part in that round's
@@ -76,6 +78,7 @@ try:
 except ImportError as err:  # pragma: no cover - the extra is installed by make test
     raise ImportError("fedppl.runtime.flower needs Flower: pip install 'fedppl[flower]'") from err
 
+from fedppl.runtime.embedded import ClientMap, host_map, make_round
 from fedppl.runtime.flower_node import Node
 from fedppl.runtime.flower_wire import is_key, pack, record_bytes, unpack
 from fedppl.runtime.task import Task
@@ -329,59 +332,57 @@ class _Server:
         return f"{self.names[k]} (node {self.node_of[k]})"
 
     def _runtime(self, stand_in: Clients) -> Callable:
-        K, rows = stand_in.num_clients, stand_in.max_size
+        """The runtime whose rounds are :func:`~fedppl.runtime.embedded.make_round`'s, their
+        clients reached over Flower (:meth:`_clients`), with what this server keeps between
+        rounds around each: the set-up of the nodes, the replies they have not confirmed, what
+        crossed the wire."""
+        rows = stand_in.max_size
 
         def runtime(trio: Any, schedule: str) -> Callable:
-            jit = jax.jit if trio.jit else (lambda f, **kw: f)
-            evaluate = self._evaluator(trio, K)
-            server_update = jit(lambda s, m, i, r, k: trio.server_update(s, m, i, r, k, evaluate))
-            acknowledge = jit(jax.vmap(trio.acknowledge))
+            # the "loop" schedule is the synchronous one: the nodes are the loop
+            inner = make_round(trio, "sequential" if schedule == "sequential" else "synchronous",
+                               self._clients())
 
             def round_fn(server, clients, data, masks, keys, active, server_key):
                 if self.round == 0:
                     self._start(clients, rows)
                 self.round += 1
                 before = self.traffic.copy()
-                self.clients_now, self._one_data = clients, (index(data, 0), masks[0])
-                like = jax.eval_shape(trio.client_update, server, index(clients, 0),
-                                      index(data, 0), masks[0], keys[0], jnp.asarray(0))[0]
-                blank = jax.tree_util.tree_map(lambda s: jnp.zeros(s.shape, s.dtype), like)
-                if trio.begin_round is not None:
-                    server = trio.begin_round(server, server_key)
-                taking = [k for k in range(K) if bool(active[k])]
-                if schedule == "sequential":
-                    msgs, replies = {}, {}
-                    one_update = jit(lambda s, m, i, r, k: trio.server_update(s, m, i, r, k,
-                                                                              None))
-                    for k in taking:
-                        got = self._train({k}, server, keys, like)
-                        msg = got.get(k, blank)
-                        server, reply = one_update(server, stack([msg]), jnp.asarray([k]),
-                                                   jnp.asarray([k in got]),
-                                                   jax.random.fold_in(server_key, k))
-                        msgs[k], replies[k] = msg, index(reply, 0)
-                    replies_all = _fill(replies, K)
-                else:
-                    msgs = self._train(set(taking), server, keys, like)
-                    received = jnp.asarray([k in msgs for k in range(K)])
-                    server, replies_all = server_update(
-                        server, stack([msgs.get(k, blank) for k in range(K)]), jnp.arange(K),
-                        received, server_key)
-                for k in taking:
-                    self.pending.setdefault(k, []).append((self.round, index(replies_all, k)))
-                stacked = stack([msgs.get(k, blank) for k in range(K)])
-                # the server's record of each client: its state with the replies applied (what
-                # the server never sees, such as a private guide, stays as it was)
-                clients = acknowledge(clients, stacked, replies_all, clients)
+                server, clients, msgs, replies = inner(server, clients, data, masks, keys, active,
+                                                       server_key)
+                for k in np.nonzero(np.asarray(active))[0]:
+                    self.pending.setdefault(int(k), []).append((self.round, index(replies, k)))
                 self.server_state = server
                 self.wire.append(self.traffic - before)
-                return server, clients, stacked, replies_all
+                return server, clients, msgs, replies
 
             return round_fn
 
         # the server holds stand-ins, not the clients' data (fedppl.infer.base.Runtime)
         runtime.data_at_server = False  # type: ignore[attr-defined]
         return runtime
+
+    def _clients(self) -> ClientMap:
+        """The clients as a round reaches them here: a ``train`` exchange for the clients'
+        steps, an ``evaluate`` exchange for the server's scores. The proposed states stay on the
+        nodes: the server's record of each client stands for it, so that the record becomes the
+        client's state with the server's replies applied (what the server never sees, such as a
+        private guide, stays as it was)."""
+
+        def update(trio, server, clients, data, masks, keys, idx, active):
+            K = len(active)
+            like = _message_like(trio, server, *_one_shape((clients, data, masks, keys)))
+            got = self._train(server, {k: keys[k] for k in range(K) if active[k]}, like)
+            blank = _zeros(like)
+            return (stack([got.get(k, blank) for k in range(K)]), clients,
+                    jnp.asarray([k in got for k in range(K)]))
+
+        def step(trio, server, client, data, mask, key, k):
+            like = _message_like(trio, server, client, data, mask, key)
+            got = self._train(server, {int(k): key}, like)
+            return got.get(int(k), _zeros(like)), client, int(k) in got
+
+        return host_map(update, step, self._evaluator)
 
     def _start(self, clients: Any, rows: int) -> None:
         """The second set-up exchange: each node's initial state (the node builds and compiles
@@ -393,10 +394,11 @@ class _Server:
             if isinstance(a, str):
                 raise FlowerError(f"{self._who(k)} could not set up: {a}")
 
-    def _train(self, ks: set[int], server: Any, keys: Any, like: Any) -> dict[int, Any]:
-        """One ``train`` exchange: the messages that arrived and passed the checks."""
+    def _train(self, server: Any, keys: dict[int, Any], like: Any) -> dict[int, Any]:
+        """One ``train`` exchange with the clients ``keys`` names (each sent its key): the
+        messages that arrived and passed the checks."""
         contents = {}
-        for k in sorted(ks):
+        for k in sorted(keys):
             content = self._replies(k)
             content["server"], content["key"] = pack(server), pack(keys[k])
             content.config_records["meta"]["round"] = int(self.round)
@@ -423,16 +425,17 @@ class _Server:
             content[f"reply.{r}"] = pack(reply)
         return content
 
-    def _evaluator(self, trio: Any, K: int) -> Callable | None:
+    def _evaluator(self, trio: Any, proposed: Any, data: Any, masks: Any) -> Callable | None:
         """``evaluate(candidate) -> (K, ...)`` by an ``evaluate`` exchange (a host callback
-        inside the compiled server update)."""
+        inside the compiled server update); the arguments give only shapes (each node scores
+        the candidate on its own data and state)."""
         if trio.client_evaluate is None:
             return None
+        K = masks.shape[0]
 
         def evaluate(candidate):
-            clients = self.clients_now
-            one = jax.eval_shape(trio.client_evaluate, candidate, index(clients, 0),
-                                 *self._one_data)
+            one = jax.eval_shape(trio.client_evaluate, candidate,
+                                 *_one_shape((proposed, data, masks)))
             ndim = jnp.ndim(jax.tree_util.tree_leaves(candidate)[0])
 
             def exchange(candidate):
@@ -478,11 +481,20 @@ class _Server:
                                         f"final acknowledgement not delivered: {a}"))
 
 
-def _fill(replies: dict[int, Any], K: int) -> Any:
-    if not replies:
-        raise FlowerError("no client takes part in this round")
-    blank = jax.tree_util.tree_map(jnp.zeros_like, next(iter(replies.values())))
-    return stack([replies.get(k, blank) for k in range(K)])
+def _one_shape(tree: Any) -> Any:
+    """One client's shapes and dtypes in a tree stacked on the client axis."""
+    return jax.tree_util.tree_map(lambda x: jax.ShapeDtypeStruct(x.shape[1:], x.dtype), tree)
+
+
+def _message_like(trio: Any, server: Any, client: Any, data: Any, mask: Any, key: Any) -> Any:
+    """The shapes and dtypes of a client's message (what an answer must match)."""
+    return jax.eval_shape(trio.client_update, server, client, data, mask, key,
+                          jnp.asarray(0))[0]
+
+
+def _zeros(like: Any) -> Any:
+    """The message of a client that sent none."""
+    return jax.tree_util.tree_map(lambda s: jnp.zeros(s.shape, s.dtype), like)
 
 
 # The ServerApp and ClientApp of any Flower app whose run config names its task
