@@ -166,7 +166,8 @@ def _sequential(trio: Trio, clients: ClientMap) -> RoundFn:
 
     @compile_
     def serve(server, msg, k, received, server_key):
-        server, reply = trio.server_update(server, trees.one(msg), k[None], _one(received),
+        server, reply = trio.server_update(server, trees.one(msg), k[None],
+                                           _received_batch(received),
                                            jax.random.fold_in(server_key, k), None)
         return server, trees.first(reply)
 
@@ -220,7 +221,7 @@ def _taking_part(active, received):
     return active if received is None else active & received
 
 
-def _one(received):
+def _received_batch(received):
     """One client's ``received`` as the server's batch of one."""
     return jnp.ones(1, bool) if received is None else jnp.reshape(received, (1,))
 
