@@ -50,7 +50,7 @@ from __future__ import annotations
 import math
 import warnings
 from dataclasses import dataclass
-from typing import Any, ClassVar
+from typing import Any, ClassVar, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -60,10 +60,19 @@ from jax import Array
 
 from fedppl import trees
 from fedppl.algorithms import fedbnr as alg
+from fedppl.algorithms.trio import Trio
 from fedppl.clients import Clients
 from fedppl.dp_statistics import PrivateStatistics
 from fedppl.families import gaussian as g
-from fedppl.infer.base import FederatedMethod, Result, RunState, check_rounds, num_bytes, shared
+from fedppl.infer.base import (
+    FederatedMethod,
+    Plan,
+    Result,
+    RunState,
+    check_rounds,
+    num_bytes,
+    shared,
+)
 from fedppl.models.random_features import URKSpec, base_draws, check_spec, init_urk
 from fedppl.validation import optimizer as check_optimizer
 from fedppl.validation import rng_key as check_key
@@ -218,19 +227,19 @@ class FedBNR(FederatedMethod):
         self.privacy = privacy
         self._settings = alg.Settings(kernel, self.optimizer, self.local_steps, self.kd_alpha,
                                       self.kd_steps, self.eval_every, self.patience)
-        self._trio = self._plain_trio = shared(alg.make_trio, self._settings, self.last_layer)
-        self._private_trios: dict[Any, Any] = {}
 
     @property
     def shared(self) -> bool:
         return self.kernel in ("avg", "kd")
 
-    # -- the front's hooks ---------------------------------------------------------------------
+    # -- the plan ------------------------------------------------------------------------------
 
-    def _setup(self, rng_key: Array, clients: Clients, *, keys: tuple[Array, Array],
-               final_round: int, kd_data: tuple | None, validation: tuple | None,
-               data_at_server: bool = True):
-        k_omega, k_init = keys  # the stream FedBNR always drew from (rng_key is not used)
+    def _plan(self, rng_key: Array, clients: Clients, *, keys: tuple[Array, Array],
+              final_round: int, kd_data: tuple | None, validation: tuple | None,
+              data_at_server: bool = True) -> Plan:
+        rng_key = jax.random.split(rng_key)[0]  # the rounds' key: init replaces it by k_run
+        trio, private = self._make_trio(clients.num_clients, final_round)
+        k_omega, k_init = keys  # the stream FedBNR always drew from
         omega = base_draws(k_omega, self.spec)
         params = alg.init_params(init_urk(k_init, self.spec), self.noise, self.prior_scale)
         K = clients.num_clients
@@ -238,11 +247,25 @@ class FedBNR(FederatedMethod):
                                  final_round=final_round, kd_data=kd_data,
                                  validation=validation)
         cstates = alg.init_clients(params, K, private=self.privacy is not None)
-        stats = jax.eval_shape(self._trio.client_evaluate, (server.kernels, omega),
+        assert trio.client_evaluate is not None  # FedBNR's trio has its evaluation exchange
+        stats = jax.eval_shape(trio.client_evaluate, (server.kernels, omega),
                                trees.first(cstates), trees.first(clients.stacked), clients.mask[0])
-        self._stats_bytes = sum(math.prod(s.shape) * s.dtype.itemsize
-                                for s in jax.tree_util.tree_leaves(stats))
-        return self._trio, self.schedule, server, cstates
+        stats_bytes = sum(math.prod(s.shape) * s.dtype.itemsize
+                          for s in jax.tree_util.tree_leaves(stats))
+        return Plan(trio, self.schedule, server, cstates, self._row, self._result,
+                    log=_Log(), rng_key=rng_key, static=_Static(stats_bytes, private))
+
+    def _make_trio(self, num_clients: int, final_round: int) -> tuple[Trio, _Private | None]:
+        """The run's trio (one that noises the statistics in a private run) and a private
+        run's calibration for the planned releases."""
+        if self.privacy is None:
+            return shared(alg.make_trio, self._settings, self.last_layer), None
+        private = _calibrate(self.privacy, 1 if self.shared else num_clients, self.eval_every,
+                             final_round)
+        settings = self._settings._replace(privacy=self.privacy.mechanism(private.sigma))
+        return shared(alg.make_trio, settings, self.last_layer), private
+
+    # -- the front's hooks ---------------------------------------------------------------------
 
     def _round_inputs(self, state: RunState):
         # FedBNR's own key stream: (k_run, key) = split(k_run) each round, a key per client
@@ -256,30 +279,26 @@ class FedBNR(FederatedMethod):
     def _refused(self, replies: Array, active: np.ndarray) -> np.ndarray:
         return ~np.asarray(replies, bool)
 
-    def _record(self, before: RunState, after: RunState, msgs: alg.KernelMessage, replies: Any,
-                active: np.ndarray, rng_key: Array) -> dict[str, Any]:
+    def _row(self, before: RunState, after: RunState, msgs: alg.KernelMessage, replies: Any,
+             active: np.ndarray, rng_key: Array) -> tuple[_Log, dict[str, Any]]:
+        """A round's history columns, and the privacy accounting after it."""
+        static: _Static = self._started(after).static
         srv = after.server
         n = 0 if bool(before.server.done) else int(active.sum())
         evaluated = bool(srv.evaluated)
         log_ml = np.where(active, np.asarray(msgs.log_ml), 0.0)
         # the evaluation is one more exchange: the kernels out, the statistics back
-        return {"messages_up": n * (1 + evaluated), "messages_down": n * (1 + evaluated),
-                "bytes_up": n * (self._message_bytes(msgs) + evaluated * self._stats_bytes),
-                "bytes_down": n * (self._broadcast_bytes(before.server)
-                                   + evaluated * num_bytes(srv.kernels)),
-                "elbo": float(log_ml.sum()) if n else np.nan, "val_rmse": float(srv.score),
-                "evaluated": evaluated, "phase": 2 if bool(srv.done) else 1,
-                **self._privacy_record(srv, evaluated)}
-
-    def _privacy_record(self, srv: alg.ServerState, evaluated: bool) -> dict[str, Any]:
-        """Private runs: the epsilon each client has spent so far and this round's repairs."""
-        if self.privacy is None:
-            return {}
-        self._evaluations += evaluated
-        releases = self._evaluations * self._per_evaluation
-        if releases not in self._spent:
-            self._spent[releases] = self.privacy.spent(self._sigma, releases)
-        return {"epsilon": self._spent[releases], "repaired": int(srv.repaired)}
+        row = {"messages_up": n * (1 + evaluated), "messages_down": n * (1 + evaluated),
+               "bytes_up": n * (self._message_bytes(msgs) + evaluated * static.stats_bytes),
+               "bytes_down": n * (self._broadcast_bytes(before.server)
+                                  + evaluated * num_bytes(srv.kernels)),
+               "elbo": float(log_ml.sum()) if n else np.nan, "val_rmse": float(srv.score),
+               "evaluated": evaluated, "phase": 2 if bool(srv.done) else 1}
+        log: _Log = after.log.method
+        if self.privacy is None or static.private is None:
+            return log, row
+        log = _account(log, self.privacy, static.private, evaluated)
+        return log, {**row, "epsilon": log.epsilon, "repaired": int(srv.repaired)}
 
     def _result(self, state: RunState, history: dict[str, np.ndarray],
                 rejected: list[tuple[int, str, str]]) -> FedBNRResult:
@@ -290,45 +309,27 @@ class FedBNR(FederatedMethod):
                           "kernels and the prior as last layer", RuntimeWarning, stacklevel=3)
         stopped = bool(srv.done) and int(srv.stale) >= self.patience
         _warn_not_finite((srv.best, srv.last_layer))
-        names = self._started(state).names
-        return FedBNRResult(history=history, client_names=names, rejected=rejected,
+        plan = self._started(state)
+        return FedBNRResult(history=history, client_names=plan.names, rejected=rejected,
                             spec=self.spec, kernel=self.kernel, last_layer=self.last_layer,
                             kernels=srv.best, layers=srv.last_layer, omega=srv.omega,
                             best_round=best or None,
                             rounds_to_convergence=int(srv.round) if stopped else None,
-                            privacy=self._privacy_result(history, len(names)))
+                            privacy=self._privacy_result(plan.static, state.log.method,
+                                                         history, len(plan.names)))
 
-    def _privacy_result(self, history: dict[str, np.ndarray], K: int
-                        ) -> dict[str, Any] | None:
-        if self.privacy is None:
+    def _privacy_result(self, static: _Static, log: _Log, history: dict[str, np.ndarray],
+                        K: int) -> dict[str, Any] | None:
+        if self.privacy is None or static.private is None:
             return None
-        out = self.privacy.report(self._sigma,
-                                  np.full(K, self._evaluations * self._per_evaluation))
+        private = static.private
+        out = self.privacy.report(private.sigma,
+                                  np.full(K, log.evaluations * private.per_evaluation))
         std2 = out["noise_std"] ** 2
         # each entry of a global layer's sums carries K clients' noise, a local layer's one
         out["stat_noise_var"] = {"global": K * std2, "local": std2}
         out["repaired"] = int(np.sum(history["repaired"]))
         return out
-
-    def _setup_privacy(self, num_clients: int, final_round: int) -> None:
-        """The noise multiplier for the planned releases, and the trio that adds the noise."""
-        self._trio = self._plain_trio
-        if self.privacy is None:
-            return
-        self._per_evaluation = 1 if self.shared else num_clients
-        if self.privacy.epsilon is not None and final_round == 0:
-            raise ValueError("privacy with a target epsilon calibrates the noise for the planned "
-                             "evaluations: pass num_rounds to init (run does), or give "
-                             "noise_multiplier instead")
-        e = self.eval_every
-        planned = final_round // e + (final_round % e != 0)
-        self._sigma = self.privacy.noise_multiplier_for(planned * self._per_evaluation)
-        mechanism = self.privacy.mechanism(self._sigma)
-        if mechanism not in self._private_trios:
-            self._private_trios[mechanism] = shared(
-                alg.make_trio, self._settings._replace(privacy=mechanism), self.last_layer)
-        self._trio = self._private_trios[mechanism]
-        self._evaluations, self._spent = 0, {}
 
     # -- running -------------------------------------------------------------------------------
 
@@ -351,7 +352,6 @@ class FedBNR(FederatedMethod):
         kd_data = _check_server_data(kd_data, self.spec.input_dim, "kd_data")
         k_omega, k_init, k_run = jax.random.split(rng_key, 3)
         run_clients = clients.pooled() if self.kernel == "central" else clients
-        self._setup_privacy(run_clients.num_clients, final)
         state = super().init(rng_key, run_clients, keys=(k_omega, k_init), final_round=final,
                              kd_data=kd_data, validation=validation, runtime=runtime)
         return state._replace(rng_key=k_run)
@@ -372,6 +372,55 @@ class FedBNR(FederatedMethod):
             return None
         return (f"early stopping: the validation RMSE did not improve in {self.patience} "
                 f"evaluations (every {self.eval_every} rounds); the last layer was formed")
+
+
+# -- a run's static part and accumulators ----------------------------------------------------
+
+
+class _Private(NamedTuple):
+    """A private run's calibration: the noise multiplier, and the releases each evaluation
+    makes per client (1 with a shared kernel, else one per client's kernel)."""
+
+    sigma: float
+    per_evaluation: int
+
+
+class _Static(NamedTuple):
+    """FedBNR's part of a plan (``plan.static``): the bytes of one client's statistics, and a
+    private run's calibration (None: not private)."""
+
+    stats_bytes: int
+    private: _Private | None = None
+
+
+class _Log(NamedTuple):
+    """FedBNR's accumulators (``state.log.method``): the evaluations so far and, in a private
+    run, the epsilon each client has spent on them (None before the first round)."""
+
+    evaluations: int = 0
+    epsilon: float | None = None
+
+
+def _calibrate(privacy: PrivateStatistics, per_evaluation: int, eval_every: int,
+               final_round: int) -> _Private:
+    """The noise multiplier for the evaluations a run of ``final_round`` rounds plans (every
+    ``eval_every``-th round and the last)."""
+    if privacy.epsilon is not None and final_round == 0:
+        raise ValueError("privacy with a target epsilon calibrates the noise for the planned "
+                         "evaluations: pass num_rounds to init (run does), or give "
+                         "noise_multiplier instead")
+    planned = final_round // eval_every + (final_round % eval_every != 0)
+    return _Private(privacy.noise_multiplier_for(planned * per_evaluation), per_evaluation)
+
+
+def _account(log: _Log, privacy: PrivateStatistics, private: _Private, evaluated: bool) -> _Log:
+    """The accounting after a round: one more evaluation if it evaluated, and the epsilon
+    spent (computed again only when the releases change)."""
+    if not evaluated and log.epsilon is not None:
+        return log
+    evaluations = log.evaluations + evaluated
+    spent = privacy.spent(private.sigma, evaluations * private.per_evaluation)
+    return _Log(evaluations, spent)
 
 
 # -- checks: every argument and array before any compiled code runs --------------------------

@@ -47,7 +47,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Any, ClassVar
+from typing import Any, ClassVar, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -58,7 +58,15 @@ from jax import Array
 from fedppl import metrics, validation
 from fedppl.algorithms import cotraining as ct
 from fedppl.clients import Clients
-from fedppl.infer.base import FederatedMethod, Result, RunState, check_rounds, num_bytes, shared
+from fedppl.infer.base import (
+    FederatedMethod,
+    Plan,
+    Result,
+    RunState,
+    check_rounds,
+    num_bytes,
+    shared,
+)
 
 __all__ = ["CoTraining", "CoTrainingResult", "DEFAULT_OPTIMIZER"]
 
@@ -243,19 +251,19 @@ class CoTraining(FederatedMethod):
 
     # -- the front's hooks ---------------------------------------------------------------------
 
-    def _setup(self, rng_key: Array, clients: Clients, pool: Sequence[Any] = (),
-               test: Sequence[Any] | None = None, y_test: Any = None,
-               data_at_server: bool = True):
+    def _plan(self, rng_key: Array, clients: Clients, *, pool: Sequence[Any] = (),
+              test: Sequence[Any] | None = None, y_test: Any = None,
+              data_at_server: bool = True) -> Plan:
+        rng_key = jax.random.split(rng_key)[0]  # the rounds' key (the second half is unused)
         data, pools, tests = _check_parties(clients, pool, test, y_test)
         K = clients.num_clients
         states = [ct.init_party(k, K, X, y, pools[k], self.optimizer, self.fit_steps)
                   for k, (X, y) in enumerate(data)]
-        self._data = data
-        self._test = None if tests is None else (tuple(tests), np.asarray(y_test, dtype=float))
-        self._messages: list[ct.Query | ct.Response] = []
-        self._rmse_before = self._rmse(states)
+        held = None if tests is None else (tuple(tests), np.asarray(y_test, dtype=float))
+        static = _Static(tuple(data), held, _rmse(states, data, held, self.settings))
         stacked = jax.tree_util.tree_map(lambda *xs: np.stack(xs), *states)
-        return self._trio, self.schedule, ct.Relay(), stacked
+        return Plan(self._trio, self.schedule, ct.Relay(), stacked, self._row, self._result,
+                    log=(), rng_key=rng_key, static=static)
 
     def _round_inputs(self, state: RunState):
         """Keys ``fold_in(fold_in(k, round), party)`` (``round`` the rounds done): the documented
@@ -265,49 +273,71 @@ class CoTraining(FederatedMethod):
         keys = jax.vmap(lambda k: jax.random.fold_in(round_key, k))(jnp.arange(K))
         return state.rng_key, keys, jnp.ones(K, bool), round_key, round_key
 
-    def _record(self, before: RunState, after: RunState, messages: Any, replies: Any,
-                active: np.ndarray, rng_key: Array) -> dict[str, Any]:
+    def _row(self, before: RunState, after: RunState, messages: Any, replies: Any,
+             active: np.ndarray, rng_key: Array) -> tuple[tuple, dict[str, Any]]:
+        """An exchange's history columns, and every message so far in protocol order (the
+        run's accumulator: ``state.log.method``)."""
         K = len(active)
+        sent = after.log.method
         if isinstance(messages, ct.Query):  # the ask exchange: K queries up, kept by the relay
-            return {"messages_up": K, "bytes_up": num_bytes(messages),
-                    "messages_down": 0, "bytes_down": 0}
+            return sent, {"messages_up": K, "bytes_up": num_bytes(messages),
+                          "messages_down": 0, "bytes_down": 0}
         queries = before.server.queries  # relayed: each party gets the K - 1 others'
         row = {"messages_up": K * (K - 1), "bytes_up": num_bytes(messages),
                "messages_down": 2 * K * (K - 1),
                "bytes_down": (K - 1) * num_bytes(queries) + num_bytes(replies)}
-        self._log(queries, replies)
+        static: _Static = self._started(after).static
         parties = ct.unstack(after.clients)
-        if self._test is not None:
-            row["rmse"] = np.array(self._rmse(parties))
+        if static.test is not None:
+            row["rmse"] = np.array(_rmse(parties, static.data, static.test, self.settings))
         if self.settings.dp is not None:
             row["epsilon"] = np.array([ct.epsilon_spent(p, self.settings.dp.delta)
                                        for p in parties])
-        return row
-
-    def _log(self, queries: ct.Query, replies: ct.Answers) -> None:
-        """Append the round's messages in protocol order, as plain Python values."""
-        for q, reply in zip(ct.unstack(queries), ct.unstack(replies), strict=True):
-            self._messages.append(ct.Query(int(q.sender), int(q.pool_index)))
-            self._messages += [_plain_response(r) for r in reply.responses]
-
-    def _rmse(self, parties: Sequence[ct.PartyState]) -> list[float] | None:
-        if self._test is None:
-            return None
-        tests, y_test = self._test
-        out = []
-        for k, (state, (X, y)) in enumerate(zip(parties, self._data, strict=True)):
-            mean, _ = ct.predict(state, X, y, tests[k], self.settings)
-            out.append(metrics.rmse(y_test, np.asarray(mean)))
-        return out
+        return (*sent, *_protocol_order(queries, replies)), row
 
     def _result(self, state: RunState, history: dict[str, np.ndarray],
                 rejected: list) -> CoTrainingResult:
-        return CoTrainingResult(history=history, client_names=self._started(state).names,
-                                rejected=rejected,
+        plan = self._started(state)
+        static: _Static = plan.static
+        return CoTrainingResult(history=history, client_names=plan.names, rejected=rejected,
                                 settings=self.settings,
-                                parties=tuple(ct.unstack(state.clients)), data=self._data,
-                                messages=list(self._messages), test=self._test,
-                                rmse_before=self._rmse_before)
+                                parties=tuple(ct.unstack(state.clients)), data=static.data,
+                                messages=list(state.log.method), test=static.test,
+                                rmse_before=static.rmse_before)
+
+
+class _Static(NamedTuple):
+    """CoTraining's part of a plan (``plan.static``): each party's private ``(X, y)``, the
+    test views and common targets (None: no test data), and each party's test RMSE before
+    co-training (None: no test data)."""
+
+    data: tuple[tuple[np.ndarray, np.ndarray], ...]
+    test: tuple[tuple[np.ndarray, ...], np.ndarray] | None
+    rmse_before: list[float] | None
+
+
+def _protocol_order(queries: ct.Query, replies: ct.Answers) -> list[ct.Query | ct.Response]:
+    """A round's messages in protocol order (each query, then the answers to it), as plain
+    Python values."""
+    out: list[ct.Query | ct.Response] = []
+    for q, reply in zip(ct.unstack(queries), ct.unstack(replies), strict=True):
+        out.append(ct.Query(int(q.sender), int(q.pool_index)))
+        out += [_plain_response(r) for r in reply.responses]
+    return out
+
+
+def _rmse(parties: Sequence[ct.PartyState], data: Sequence[tuple[np.ndarray, np.ndarray]],
+          test: tuple[tuple[np.ndarray, ...], np.ndarray] | None, settings: ct.Settings
+          ) -> list[float] | None:
+    """Each party's test RMSE (None without test data)."""
+    if test is None:
+        return None
+    tests, y_test = test
+    out = []
+    for k, (state, (X, y)) in enumerate(zip(parties, data, strict=True)):
+        mean, _ = ct.predict(state, X, y, tests[k], settings)
+        out.append(metrics.rmse(y_test, np.asarray(mean)))
+    return out
 
 
 def _plain_response(r: ct.Response) -> ct.Response:

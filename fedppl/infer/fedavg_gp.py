@@ -51,7 +51,7 @@ from fedppl.algorithms import fsgp as alg
 from fedppl.clients import Clients
 from fedppl.dp_statistics import PrivateStatistics
 from fedppl.infer import _gp_checks as chk
-from fedppl.infer.base import FederatedMethod, Result, RunState, num_bytes, shared
+from fedppl.infer.base import FederatedMethod, Plan, Result, RunState, num_bytes, shared
 
 __all__ = ["FSGP", "FSGPConfig", "FSGPResult", "INIT_INDUCING"]
 
@@ -197,8 +197,6 @@ class FSGP(FederatedMethod):
             raise TypeError(f"unknown settings {sorted(unknown)}; FSGP takes "
                             f"{list(FSGPConfig._fields)}")
         self.config = _checked((config or FSGPConfig())._replace(**settings))
-        self._trios: dict[tuple, Any] = {}
-        self._phase = alg.TRAIN
 
     def init(self, rng_key: Array, clients: Clients, *, runtime: Any = None,
              **kwargs: Any) -> RunState:
@@ -212,27 +210,29 @@ class FSGP(FederatedMethod):
             raise ValueError(f"num_inducing = {self.config.num_inducing} exceeds the total "
                              f"number of training points N = {total}; use M <= N (a sparse GP "
                              "needs M < N)")
-        z_key = jax.random.split(check.rng_key(rng_key))[0]
-        return super().init(rng_key, clients, z_key=z_key, runtime=runtime)
+        return super().init(rng_key, clients, runtime=runtime)
 
-    def _setup(self, rng_key: Array, clients: Clients, **kwargs: Any):
-        cfg, z_key = self.config, kwargs["z_key"]
-        if not kwargs.get("data_at_server", True) and cfg.init_inducing != "random-normal":
+    def _plan(self, rng_key: Array, clients: Clients, *, data_at_server: bool = True,
+              **kwargs: Any) -> Plan:
+        # the first half of the run's key draws Z and starts the rounds (the second is unused)
+        rng_key = z_key = jax.random.split(rng_key)[0]
+        cfg = self.config
+        if not data_at_server and cfg.init_inducing != "random-normal":
             raise ValueError(f"init_inducing={cfg.init_inducing!r} draws the inducing inputs from "
                              "the pooled data, which a deployment's server does not hold: use "
                              "init_inducing='random-normal'")
         D = clients.data[0][0].shape[1]
         params = alg.init_params(_init_inducing(clients, cfg, D, z_key), cfg.init_lengthscale,
                                  cfg.init_variance, cfg.init_noise)
-        mechanism = None
+        sigma = mechanism = None
         if cfg.privacy is not None:  # one release per client, in the aggregation round
-            self._sigma = cfg.privacy.noise_multiplier_for(1)
-            mechanism = cfg.privacy.mechanism(self._sigma)
-        spec = (int(cfg.local_steps), float(cfg.jitter), mechanism)
-        if spec not in self._trios:  # one per settings in a process
-            self._trios[spec] = shared(alg.make_trio, cfg.optimizer, *spec)
-        self._phase = alg.TRAIN
-        return self._trios[spec], "synchronous", alg.init(params), ()
+            sigma = cfg.privacy.noise_multiplier_for(1)
+            mechanism = cfg.privacy.mechanism(sigma)
+        # one trio per settings in a process
+        trio = shared(alg.make_trio, cfg.optimizer, int(cfg.local_steps), float(cfg.jitter),
+                      mechanism)
+        return Plan(trio, "synchronous", alg.init(params), (), self._row, self._result,
+                    rng_key=rng_key, static=_Static(sigma))
 
     # -- the final phase -----------------------------------------------------------------------
 
@@ -240,12 +240,8 @@ class FSGP(FederatedMethod):
         """The aggregation round: every client sends its inducing statistics at the trained
         parameters; the server adds the plausible ones. Returns the state and the round's
         record (counts, bytes, refused clients)."""
-        self._phase = alg.AGGREGATE
         server = state.server._replace(phase=jnp.asarray(alg.AGGREGATE))
-        try:
-            state, info = self.update(state._replace(server=server))
-        finally:
-            self._phase = alg.TRAIN
+        state, info = self.update(state._replace(server=server))
         return state, {**info, "refused": list(state.log.refused)}
 
     # -- the front's hooks ---------------------------------------------------------------------
@@ -253,27 +249,29 @@ class FSGP(FederatedMethod):
     def _refused(self, replies: Array, active: np.ndarray) -> np.ndarray:
         return ~np.asarray(replies, bool)
 
-    def _record(self, before, after, msgs, replies, active, rng_key) -> dict[str, Any]:
+    def _row(self, before, after, msgs, replies, active, rng_key) -> tuple[None, dict[str, Any]]:
+        """A round's history columns: the bytes its messages cost in the round's phase (the
+        server's, as the round began), and after a FedAvg round the summed bound."""
         plan = self._started(after)
+        training = int(before.server.phase) == alg.TRAIN
         refused = [plan.names[k] for k in np.nonzero(active & ~np.asarray(replies, bool))[0]]
-        what = "parameters" if self._phase == alg.TRAIN else "statistics"
+        what = "parameters" if training else "statistics"
         if refused:
             warnings.warn(f"FSGP server rejected {what} from {', '.join(refused)}; they were not "
-                          "used", RuntimeWarning, stacklevel=4)
-        if self._phase != alg.TRAIN:
-            return {}
+                          "used", RuntimeWarning, stacklevel=3)
+        row: dict[str, Any] = {"bytes_up": int(active.sum()) * _message_bytes(msgs, training)}
+        if not training:
+            return None, row
         if not plan.data_at_server:
-            return {"bound": np.nan}
+            return None, {**row, "bound": np.nan}
         X, y = after.data
         bounds = _bounds(after.server.params, X, y, after.masks, float(self.config.jitter))
-        return {"bound": float(jnp.sum(bounds))}
+        return None, {**row, "bound": float(jnp.sum(bounds))}
 
     def _message_bytes(self, msgs: alg.Message) -> int:
-        one = jax.tree_util.tree_map(lambda x: x[0], msgs)
-        if self._phase == alg.TRAIN:
-            return num_bytes(one.params)
-        M = one.stats.proj.shape[0]  # a symmetric A_k needs only its lower triangle
-        return int((M * (M + 1) // 2 + M + 1) * one.stats.proj.dtype.itemsize)
+        """Bytes of one client's message in a FedAvg round (an aggregation round's are
+        counted by the round's row, which knows the phase)."""
+        return _message_bytes(msgs, training=True)
 
     def _broadcast_bytes(self, server: alg.ServerState) -> int:
         return num_bytes(server.params)
@@ -291,14 +289,32 @@ class FSGP(FederatedMethod):
 
     def _privacy_result(self, state: RunState, info: dict[str, Any]) -> dict[str, Any] | None:
         privacy = self.config.privacy
-        if privacy is None:
+        plan = self._started(state)
+        if privacy is None or plan.static.sigma is None:
             return None
-        K = len(self._started(state).names)
-        out = privacy.report(self._sigma, np.ones(K, int))
+        K = len(plan.names)
+        out = privacy.report(plan.static.sigma, np.ones(K, int))
         # the sum carries the noise of every client whose statistics the server added
         out["stat_noise_var"] = (K - len(info["refused"])) * out["noise_std"]**2
         out["repaired"] = int(state.server.repaired)
         return out
+
+
+class _Static(NamedTuple):
+    """FSGP's part of a plan (``plan.static``): a private run's noise multiplier (None: not
+    private)."""
+
+    sigma: float | None = None
+
+
+def _message_bytes(msgs: alg.Message, training: bool) -> int:
+    """Bytes of one client's message (messages stacked on the client axis): its parameters in
+    a FedAvg round, its statistics in the aggregation round."""
+    one = jax.tree_util.tree_map(lambda x: x[0], msgs)
+    if training:
+        return num_bytes(one.params)
+    M = one.stats.proj.shape[0]  # a symmetric A_k needs only its lower triangle
+    return int((M * (M + 1) // 2 + M + 1) * one.stats.proj.dtype.itemsize)
 
 
 def _checked(cfg: FSGPConfig) -> FSGPConfig:

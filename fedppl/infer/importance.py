@@ -68,7 +68,8 @@ class ImportanceState(NamedTuple):
     log-likelihoods ``(K, N)``, the next proposal, the clients' states (their private guides as
     Laplace starting points, or None), their padded data, masks and names, the key and the
     round. ``variance`` ``(N,)``: the summed variance of the clients' estimates at each draw
-    (zero without local sites)."""
+    (zero without local sites). ``compiled``: the run's compiled exchange and the server's log
+    prior (set by :meth:`Importance.init`; None: not started)."""
 
     proposals: tuple[imp.Proposal, ...]
     counts: tuple[int, ...]
@@ -83,6 +84,7 @@ class ImportanceState(NamedTuple):
     names: tuple[str, ...]
     rng_key: Array
     round: int
+    compiled: tuple[Callable, Callable] | None = None
 
 
 @dataclass(kw_only=True)
@@ -257,6 +259,8 @@ class Importance:
         steps."""
         rng_key = validation.rng_key(rng_key)
         layout = self._check(clients, model_kwargs)
+        compiled = _compiled(self.model, self.guide, model_kwargs, self.local_draws,
+                             self.newton_steps, self.batch_size)
         first = imp.from_gaussian(self.start, self.first_df)
         if local is not None and jax.tree_util.tree_leaves(local)[0].shape[0] != len(
                 clients.names):
@@ -265,10 +269,11 @@ class Importance:
         dtype = first.mean.dtype
         return ImportanceState((), (), np.zeros((0, D), dtype), np.zeros(0),
                                np.zeros((clients.num_clients, 0)), np.zeros(0), first, local,
-                               clients.stacked, clients.mask, clients.names, rng_key, 0)
+                               clients.stacked, clients.mask, clients.names, rng_key, 0,
+                               compiled)
 
     def _check(self, clients: Clients, model_kwargs: dict):
-        from fedppl.infer.variational import check_clients
+        from fedppl.infer.pvi_plan import check_clients
 
         if not isinstance(clients, Clients):
             raise TypeError(f"clients must be a fedppl.Clients (see fedppl.partition), got "
@@ -287,16 +292,15 @@ class Importance:
         if layout.dim != self.start.nat1.shape[-1]:
             raise ValueError(f"with these clients the model has {layout.dim} global "
                              f"coordinates, the answer {self.start.nat1.shape[-1]}")
-        self._compiled = _compiled(self.model, guide, model_kwargs, self.local_draws,
-                                   self.newton_steps, self.batch_size)
         return layout
 
     def update(self, state: ImportanceState) -> tuple[ImportanceState, dict[str, Any]]:
         """One exchange: draws from ``state.next`` down, log-likelihoods up; then the weights
         of all draws so far, their k-hat and ESS, and the next proposal."""
-        if not hasattr(self, "_compiled"):
+        compiled = getattr(state, "compiled", None)
+        if compiled is None:
             raise RuntimeError("call Importance.init(rng_key, clients) before update")
-        round_fn, log_prior_fn = self._compiled
+        round_fn, log_prior_fn = compiled
         K = state.masks.shape[0]
         rng_key, k_draw, k_clients = jax.random.split(state.rng_key, 3)
         draws = imp.sample(k_draw, state.next, self.num_draws)
@@ -325,7 +329,7 @@ class Importance:
                                anchor=proposals[0])
         new = ImportanceState(proposals, counts, all_draws, log_prior, log_lik, variance, nxt,
                               state.clients, state.data, state.masks, state.names, rng_key,
-                              state.round + 1)
+                              state.round + 1, state.compiled)
         item = np.dtype(draws.dtype).itemsize
         per_client = len(jax.tree_util.tree_leaves(msgs))  # log-likelihoods (and variances)
         info = {"round": new.round, "seconds": seconds, "messages_up": K, "messages_down": K,
