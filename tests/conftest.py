@@ -108,30 +108,40 @@ def logistic_data():
     return X, y
 
 
-# The slowest test files, slowest first (summed test times of a full run on this 2-core VM).
+# The slowest test files, about slowest first (summed test times of a full run on this 2-core
+# VM), the Flower files spaced out so that two of them (each starting processes of its own)
+# rarely run at once.
 # make test runs pytest-xdist with --dist loadfile --no-loadscope-reorder: each worker takes the
 # next file in collection order when it is free, so starting with the long files keeps one
 # worker from running a long file alone at the end (longest-processing-time-first scheduling).
 SLOW_FILES = (
     "tests/runtime/test_flower_simulation.py",
+    "tests/test_readme.py",
     "tests/test_priors.py",
-    "tests/infer/test_variational.py",
+    "tests/float32/test_methods_float32.py",
     "tests/runtime/test_faults.py",
+    "tests/algorithms/test_ep.py",
     "tests/runtime/test_flower_deployment.py",
+    "tests/infer/test_variational.py",
+    "tests/pyro/test_parity.py",
     "tests/runtime/test_flower_simulation_faults.py",
     "tests/algorithms/test_natural_gradient.py",
-    "tests/algorithms/test_dp_pvi.py",
     "tests/test_local_sites.py",
+    "tests/test_arviz.py",
+    "tests/algorithms/test_dp_pvi.py",
     "tests/infer/test_importance.py",
-    "tests/infer/test_sgp_edge_cases.py",
-    "tests/pyro/test_parity.py",
-    "tests/infer/test_sparse_gps.py",
     "tests/test_tutorials.py",
-    "tests/infer/test_front.py",
+    "tests/pyro/test_front.py",
+    "tests/infer/test_front_consistency.py",
+    "tests/infer/test_retrace.py",
+    "tests/float32/test_importance_float32.py",
     "tests/test_model_shapes.py",
+    "tests/test_dp_statistics.py",
+    "tests/test_cli.py",
+    "tests/algorithms/test_sgp_shared.py",
+    "tests/infer/test_sgp_edge_cases.py",
     "tests/test_audit.py",
     "tests/runtime/test_no_deadlock.py",
-    "tests/test_dp_statistics.py",
 )
 
 
