@@ -30,7 +30,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
-__all__ = ["index", "first", "one", "stack", "unstack", "broadcast"]
+__all__ = ["index", "first", "one", "stack", "unstack", "broadcast", "zeros"]
 
 
 def index(tree: Any, k: Any) -> Any:
@@ -65,3 +65,9 @@ def unstack(tree: Any) -> list:
 def broadcast(tree: Any, n: int) -> Any:
     """The same tree ``n`` times on a new leading axis (a broadcast view, no copy)."""
     return jax.tree_util.tree_map(lambda x: jnp.broadcast_to(x, (n, *jnp.shape(x))), tree)
+
+
+def zeros(shapes: Any) -> Any:
+    """Zeros of the shapes and dtypes in a tree of ``jax.ShapeDtypeStruct`` (what
+    ``jax.eval_shape`` returns): the blank message of a client that sent none."""
+    return jax.tree_util.tree_map(lambda s: jnp.zeros(s.shape, s.dtype), shapes)

@@ -190,9 +190,7 @@ def _sequential(trio: Trio, clients: ClientMap) -> RoundFn:
 
         # what a client outside the round sends and is sent: zeros (their shapes found with
         # the client's step taken here, so that a remote map is not asked for them)
-        blank = jax.tree_util.tree_map(
-            lambda s: jnp.zeros(s.shape, s.dtype),
-            jax.eval_shape(lambda: with_step(_direct_step)(server, first)[1][1:]))
+        blank = trees.zeros(jax.eval_shape(lambda: with_step(_direct_step)(server, first)[1][1:]))
         update = with_step(clients.step)
 
         def one(server, inputs):
@@ -289,9 +287,10 @@ def _vmap_evaluator(trio: Trio, proposed, data, masks):
                                                                               data, masks)
 
 
+@lru_cache(maxsize=32)
 def _local(trio: Trio) -> Callable:
     """A client's step as it runs on the client's own machine (compiled, unless the trio is
-    host-side)."""
+    host-side), made once per trio: the loop calls it once per client and round."""
     return jax.jit(trio.client_update) if trio.jit else trio.client_update
 
 

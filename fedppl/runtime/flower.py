@@ -82,7 +82,7 @@ from fedppl.runtime.embedded import ClientMap, host_map, make_round
 from fedppl.runtime.flower_node import Node
 from fedppl.runtime.flower_wire import is_key, pack, record_bytes, unpack
 from fedppl.runtime.task import Task
-from fedppl.trees import index, stack
+from fedppl.trees import index, stack, zeros
 
 __all__ = ["Task", "FlowerApp", "FlowerError", "task_from_config", "pack", "unpack"]
 
@@ -369,18 +369,26 @@ class _Server:
         client's state with the server's replies applied (what the server never sees, such as a
         private guide, stays as it was)."""
 
+        found: dict[str, Any] = {}
+
+        def message_like(trio, server, client, data, mask, key):
+            # a run's shapes do not change between rounds: traced once, not once per client
+            if "like" not in found:
+                found["like"] = _message_like(trio, server, client, data, mask, key)
+            return found["like"]
+
         def update(trio, server, clients, data, masks, keys, idx, active):
             K = len(active)
-            like = _message_like(trio, server, *_one_shape((clients, data, masks, keys)))
+            like = message_like(trio, server, *_one_shape((clients, data, masks, keys)))
             got = self._train(server, {k: keys[k] for k in range(K) if active[k]}, like)
-            blank = _zeros(like)
+            blank = zeros(like)
             return (stack([got.get(k, blank) for k in range(K)]), clients,
                     jnp.asarray([k in got for k in range(K)]))
 
         def step(trio, server, client, data, mask, key, k):
-            like = _message_like(trio, server, client, data, mask, key)
+            like = message_like(trio, server, client, data, mask, key)
             got = self._train(server, {int(k): key}, like)
-            return got.get(int(k), _zeros(like)), client, int(k) in got
+            return got.get(int(k), zeros(like)), client, int(k) in got
 
         return host_map(update, step, self._evaluator)
 
@@ -491,10 +499,6 @@ def _message_like(trio: Any, server: Any, client: Any, data: Any, mask: Any, key
     return jax.eval_shape(trio.client_update, server, client, data, mask, key,
                           jnp.asarray(0))[0]
 
-
-def _zeros(like: Any) -> Any:
-    """The message of a client that sent none."""
-    return jax.tree_util.tree_map(lambda s: jnp.zeros(s.shape, s.dtype), like)
 
 
 # The ServerApp and ClientApp of any Flower app whose run config names its task
