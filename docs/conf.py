@@ -1,0 +1,80 @@
+"""Sphinx configuration of fedppl's documentation site (``make docs``).
+
+Pages are MyST markdown. Pages with ``{code-cell}`` blocks, and the tutorials of
+``tutorials/`` (jupytext percent scripts), are executed by myst-nb at build time; executed
+outputs are cached in ``docs/_build/.jupyter_cache`` between local builds (a fresh clone, as in
+CI, executes everything). Benchmark tables and plots are generated from
+``benchmarks/results/*.json`` by the ``fedppl_docs`` extension in ``docs/_ext``.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+from pathlib import Path
+
+DOCS = Path(__file__).resolve().parent
+ROOT = DOCS.parent
+sys.path.insert(0, str(DOCS / "_ext"))
+sys.path.insert(0, str(ROOT))  # examples.gallery, fedppl from the checkout
+
+import fedppl  # noqa: E402
+
+project = "fedppl"
+author = "fedppl developers"
+copyright = "2026, fedppl developers"  # noqa: A001
+release = version = fedppl.__version__
+
+extensions = [
+    "myst_nb",
+    "sphinx.ext.autodoc",
+    "sphinx.ext.autosummary",
+    "sphinx.ext.mathjax",
+    "sphinx.ext.viewcode",
+    "sphinx_copybutton",
+    "sphinx_design",
+    "fedppl_docs",
+]
+
+exclude_patterns = ["_build", "**.ipynb_checkpoints", "_ext", "conf.py", "README.md"]
+source_suffix = {".rst": "restructuredtext", ".md": "myst-nb", ".ipynb": "myst-nb"}
+
+# --- MyST and notebook execution -----------------------------------------------------------
+myst_enable_extensions = ["dollarmath", "colon_fence", "deflist", "substitution"]
+myst_heading_anchors = 3
+# the tutorials are jupytext percent scripts; myst-nb reads them through jupytext
+nb_custom_formats = {".py": ["jupytext.reads", {"fmt": "py:percent"}]}
+nb_execution_mode = os.environ.get("FEDPPL_DOCS_EXECUTE", "cache")  # "force" re-runs all
+# FEDPPL_DOCS_CACHE: another cache folder (one per concurrent build); FEDPPL_DOCS_NO_EXECUTE:
+# comma-separated page patterns not executed (a quick local build; CI sets neither)
+nb_execution_cache_path = os.environ.get("FEDPPL_DOCS_CACHE", str(DOCS / "_build" / ".jupyter_cache"))
+nb_execution_excludepatterns = [p for p in os.environ.get("FEDPPL_DOCS_NO_EXECUTE", "").split(",") if p]
+nb_execution_in_temp = True  # figures the examples save land in a scratch directory
+nb_execution_timeout = 900
+nb_execution_raise_on_error = True  # an example that fails fails the build
+nb_execution_show_tb = True
+nb_merge_streams = True
+nb_kernel_rgx_aliases = {".*": "python3"}
+
+# --- API reference ------------------------------------------------------------------------
+autosummary_generate = True
+autosummary_imported_members = True
+autodoc_default_options = {"members": True, "show-inheritance": False}
+autodoc_typehints = "description"
+autodoc_typehints_format = "short"
+autodoc_member_order = "bysource"
+
+# --- HTML ---------------------------------------------------------------------------------
+html_theme = "pydata_sphinx_theme"
+html_title = "fedppl"
+html_static_path = ["_static"]
+html_theme_options = {
+    "navbar_align": "left",
+    "show_toc_level": 2,
+    "navigation_with_keys": False,
+    "footer_start": ["copyright"],
+    "footer_end": ["sphinx-version"],
+    "secondary_sidebar_items": ["page-toc", "sourcelink"],
+}
+html_sidebars = {"index": [], "getting-started": []}
+html_last_updated_fmt = None
