@@ -1,12 +1,13 @@
-"""Any NumPyro model: a hierarchical logistic model with one random intercept per hospital.
+# %% [markdown]
+# # Any NumPyro model: random intercepts per hospital
+#
+# A hierarchical logistic model written as NumPyro users write it: a HalfCauchy group scale,
+# Laplace weights, and each hospital's intercept in a plate over groups, with the number of
+# groups a static keyword argument. Each hospital is a client; its intercept is a local site
+# that never leaves it. Run it as a script (`python tutorials/any_model.py`) or open it as a
+# notebook with jupytext.
 
-The model is written as NumPyro users write it: a HalfCauchy group scale, Laplace weights, the
-hospital's intercept in a plate over groups with the number of groups a static keyword argument.
-Each hospital is a client; its intercept is a local site that never leaves it.
-
-Run: python tutorials/any_model.py
-"""
-
+# %%
 import jax
 import numpy as np
 import numpyro
@@ -18,6 +19,12 @@ from fedppl.guides import PVIGuide
 jax.config.update("jax_enable_x64", True)
 
 
+# %% [markdown]
+# ## The model
+# `a` is the hospital's own intercept: a local site. `mu`, `tau` and `w` are shared.
+
+
+# %%
 def model(X, y=None, *, n_groups=1):
     mu = numpyro.sample("mu", dist.Normal(0, 2))
     tau = numpyro.sample("tau", dist.HalfCauchy(1))
@@ -28,6 +35,10 @@ def model(X, y=None, *, n_groups=1):
         numpyro.sample("y", dist.Bernoulli(logits=X @ w + a[0]), obs=y)
 
 
+# %% [markdown]
+# ## Five hospitals of unequal sizes, with shifted covariates
+
+# %%
 rng = np.random.default_rng(0)
 hospitals = []
 for k in range(5):                                      # unequal sizes, shifted covariates
@@ -36,6 +47,11 @@ for k in range(5):                                      # unequal sizes, shifted
     hospitals.append((X, (rng.random(len(X)) < 1 / (1 + np.exp(-logits))).astype(float)))
 clients = fedppl.Clients.from_list(hospitals, names=[f"hospital {k}" for k in range(5)])
 
+
+# %% [markdown]
+# ## PVI, then each hospital's view of the posterior
+
+# %%
 guide = PVIGuide(model, global_sites=["mu", "tau", "w"], family="fullrank")
 result = fedppl.PVI(model, guide).run(jax.random.key(0), clients, 20, tol=1e-8,
                                       progress_bar=False, n_groups=1)

@@ -11,9 +11,6 @@
 
 # %%
 import jax
-import matplotlib
-
-matplotlib.use("Agg")
 import matplotlib.pyplot as plt
 import numpy as np
 

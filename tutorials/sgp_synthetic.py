@@ -1,31 +1,29 @@
-"""Federated sparse GP on five partitions: PVI with an HVM over inducing locations vs FedAvg-Z.
+# %% [markdown]
+# # Federated sparse GP on five partitions: PVI with an HVM over inducing locations vs FedAvg-Z
+#
+# The 1-D experiment of the federated sparse GP paper (Sec. 6.1, Fig. 1). Five clients each
+# hold a cluster of points; the hyperparameters are fixed at their true values. Both methods use
+# DPO factors; FedAvg-Z learns one set of inducing locations by averaging the clients' local
+# optima (Alg. 1), PVI keeps a distribution q(Z) refined by every client (Alg. 2). After 10 and
+# 20 communications we plot the posterior and the inducing locations (triangles; arrows at the
+# edge mark locations outside the plotted range), and measure how far the inducing locations
+# sit from the data and how well each posterior predicts the noiseless function.
+#
+# What we see (quick settings, seed 0): PVI's fit improves from 10 to 20 communications (test
+# log-likelihood of f -0.30 -> -0.25), FedAvg-Z's gets worse (-0.60 -> -1.06) as the averaged
+# locations bunch together and the factors, learnt at each client's own locations, no longer
+# fit at the averaged ones. In our runs FedAvg-Z's locations stay within the data range; the
+# paper's locations moving *away* from the data is not reproduced at this J.
+#
+# Run `python tutorials/sgp_synthetic.py` (writes `sgp-synthetic.png`); set
+# `FEDPPL_TUTORIAL_FULL=1` for the paper's longer inner loop.
 
-The 1-D experiment of the federated sparse GP paper (Sec. 6.1, Fig. 1). Five clients each hold a
-cluster of points; the hyperparameters are fixed at their true values. Both methods use DPO
-factors; FedAvg-Z learns one set of inducing locations by averaging the clients' local optima
-(Alg. 1), PVI keeps a distribution q(Z) refined by every client (Alg. 2). After 10 and 20
-communications we plot the posterior and the inducing locations (triangles; arrows at the edge
-mark locations outside the plotted range), and measure how far the inducing locations sit from
-the data and how well each posterior predicts the noiseless function.
-
-What we see (quick settings, seed 0): PVI's fit improves from 10 to 20 communications (test
-log-likelihood of f -0.30 -> -0.25), FedAvg-Z's gets worse (-0.60 -> -1.06) as the averaged
-locations bunch together and the factors, learnt at each client's own locations, no longer fit
-at the averaged ones. In our runs FedAvg-Z's locations stay within the data range; the paper's
-locations moving *away* from the data is not reproduced at this J.
-
-Run ``python tutorials/sgp_synthetic.py`` (writes ``sgp-synthetic.png``); set
-``FEDPPL_TUTORIAL_FULL=1`` for the paper's longer inner loop.
-"""
-
+# %%
 from __future__ import annotations
 
 import os
 
 import jax
-import matplotlib
-
-matplotlib.use("Agg")
 import matplotlib.pyplot as plt
 import numpy as np
 
@@ -39,6 +37,10 @@ data = five_partitions(seed=0)
 config = SGPConfig(num_inducing=15, local_steps=300 if FULL else 100,
                    inner_steps=1000 if FULL else 200, fixed_hyper=TRUE_HYPER)
 
+# %% [markdown]
+# ## Ten and twenty communications of each method
+
+# %%
 fits, drift = {}, {}
 for method in ("dpo", "fedavg-z"):
     sgp = FederatedSGP(method, config)  # one compiled round per method
@@ -57,6 +59,10 @@ for (method, rounds), res in fits.items():
     d = drift[method, rounds]
     print(f"| {method} | {rounds} | {d['mean']:.3f} | {d['far']:.2f} | {ll:.3f} |")
 
+# %% [markdown]
+# ## The posteriors and where the inducing locations went
+
+# %%
 fig, axes = plt.subplots(2, 2, figsize=(11, 6), sharex=True, sharey=True)
 for ax, ((method, rounds), res) in zip(axes.T.ravel(), fits.items(), strict=True):
     mean, var = (np.asarray(a) for a in res.predict(data.X_test, rng_key=jax.random.key(1)))

@@ -11,6 +11,7 @@ from typing import Any, ClassVar
 import jax
 from jax import Array
 
+from fedppl.algorithms.solvers import BoundModel
 from fedppl.clients import Clients
 from fedppl.families import gaussian as g
 from fedppl.guides.pvi_guide import PVIGuide
@@ -125,7 +126,9 @@ class PVIResult(Result):
                              "spend privacy it has not counted")
         warn = bool(kwargs.pop("warn", True))
         settings = {k: kwargs.pop(k) for k in list(kwargs) if k in SETTINGS}
-        model_kwargs = dict(getattr(self.model, "keywords", None) or {})
+        # the static keyword arguments the run bound (a model whose parameters are keyword-only
+        # is wrapped in positional()'s KeywordData, whose `keywords` are only their names)
+        model_kwargs = dict(self.model.keywords) if isinstance(self.model, BoundModel) else {}
         model_kwargs.update(kwargs)
         method = Importance(self.guide.model, self.guide, self.q, num_draws=num_draws,
                             **settings)

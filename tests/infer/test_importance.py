@@ -257,3 +257,23 @@ def test_bad_input(conjugate):
     with pytest.raises(TypeError, match=r"fedppl\.Clients"):
         res.check(jax.random.key(1), [clients.client(0)])
     assert isinstance(res.check(jax.random.key(1), clients, num_draws=100), ImportanceResult)
+
+
+def keyword_linear(X, y=None, *, prior_scale=1.0):
+    w = numpyro.sample("w", dist.Normal(0.0, prior_scale).expand([X.shape[1]]).to_event(1))
+    with numpyro.plate("data", X.shape[0]):
+        numpyro.sample("y", dist.Normal(X @ w, 0.5), obs=y)
+
+
+def test_check_of_a_model_with_keyword_only_arguments(conjugate):
+    """A model whose static arguments are keyword-only, run without them, is checked (the
+    names of its keyword-only parameters are not taken for bound values); run with them, the
+    check binds the run's values."""
+    clients = conjugate[1]
+    guide = fedppl.PVIGuide(keyword_linear, family="fullrank")
+    plain = fedppl.PVI(keyword_linear, guide).run(jax.random.key(0), clients, 2,
+                                                  progress_bar=False)
+    assert plain.check(jax.random.key(1), clients, num_draws=500).khat < 0.5
+    wide = fedppl.PVI(keyword_linear, guide).run(jax.random.key(0), clients, 2,
+                                                 progress_bar=False, prior_scale=3.0)
+    assert wide.check(jax.random.key(1), clients, num_draws=500).khat < 0.5
