@@ -20,6 +20,10 @@ sys.path.insert(0, str(ROOT))  # examples.gallery, fedppl from the checkout
 
 import fedppl  # noqa: E402
 
+# the executed pages' kernels import examples.gallery from the checkout
+os.environ["PYTHONPATH"] = os.pathsep.join(
+    [str(ROOT), *filter(None, [os.environ.get("PYTHONPATH")])])
+
 project = "fedppl"
 author = "fedppl developers"
 copyright = "2026, fedppl developers"  # noqa: A001
@@ -58,6 +62,7 @@ nb_kernel_rgx_aliases = {".*": "python3"}
 
 # --- API reference ------------------------------------------------------------------------
 autosummary_generate = True
+templates_path = ["_templates"]  # docs/_templates/autosummary: class, module, function pages
 autosummary_imported_members = True
 autodoc_default_options = {"members": True, "show-inheritance": False}
 autodoc_typehints = "description"
