@@ -2,6 +2,8 @@
 #   make demo   - create/refresh .venv, install fedppl (no extras), run the federated demo (table + plot)
 #   make test   - create/refresh .venv, install fedppl with every extra, lint, type check, run
 #                 the test suite and the docstring examples
+#   make docs   - build the documentation site into docs/_build/html (every example executed,
+#                 warnings as errors), then look at it in headless Chromium (docs/_tests)
 PYTHON ?= $(shell command -v python3.11 || command -v python3)
 VENV   := .venv
 BIN    := $(VENV)/bin
@@ -10,7 +12,7 @@ STAMP  := $(VENV)/.installed
 # pytest-xdist workers; --dist loadfile keeps each test file (and its fixtures) on one worker
 TEST_JOBS ?= 2
 
-.PHONY: demo test bench clean
+.PHONY: demo test docs bench clean
 
 # Two stamps: `make demo` installs fedppl alone (JAX, NumPyro and the base dependencies: what
 # the demo runs), `make test` adds every extra (ArviZ, Flower with Ray, the Pyro port with torch).
@@ -21,7 +23,7 @@ $(BASE): pyproject.toml constraints.txt
 	touch $(BASE)
 
 $(STAMP): $(BASE)
-	$(BIN)/python -m pip install --quiet -c constraints.txt -e ".[dev,arviz,flower,pyro]"
+	$(BIN)/python -m pip install --quiet -c constraints.txt -e ".[dev,arviz,flower,pyro,docs]"
 	touch $(STAMP)
 
 demo: $(BASE)
@@ -42,8 +44,20 @@ test: $(STAMP)
 	OPENBLAS_NUM_THREADS=1 XLA_FLAGS="$(TEST_XLA_FLAGS)" $(BIN)/python -m pytest \
 		-n $(TEST_JOBS) --dist loadfile --no-loadscope-reorder --durations=20
 
+# The site: -E reads every page afresh (so -W sees every warning); the examples' outputs are
+# cached in docs/_build/.jupyter_cache and re-executed only when a page's code changes (a fresh
+# clone executes them all). The browser test needs Debian's chromium (apt-get install chromium).
+DOCS_JOBS ?= 2
+docs: $(STAMP)
+	@test -x /usr/bin/chromium || { echo "make docs: the browser test needs /usr/bin/chromium" \
+		"(Debian: apt-get install chromium)"; exit 1; }
+	OPENBLAS_NUM_THREADS=1 $(BIN)/sphinx-build -W --keep-going -E -j $(DOCS_JOBS) -b html \
+		docs docs/_build/html
+	$(BIN)/python -m pytest -q -p no:cacheprovider docs/_tests
+
 bench: $(STAMP)
 	$(BIN)/python benchmarks/pvi_rounds.py
 
 clean:
-	rm -rf $(VENV) .pytest_cache
+	rm -rf $(VENV) .pytest_cache docs/_build docs/gallery/tutorials docs/gallery/models \
+		docs/api/generated

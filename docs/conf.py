@@ -40,7 +40,7 @@ extensions = [
     "fedppl_docs",
 ]
 
-exclude_patterns = ["_build", "**.ipynb_checkpoints", "_ext", "conf.py", "README.md"]
+exclude_patterns = ["_build", "**.ipynb_checkpoints", "_ext", "_tests", "_templates", "conf.py"]
 source_suffix = {".rst": "restructuredtext", ".md": "myst-nb", ".ipynb": "myst-nb"}
 
 # --- MyST and notebook execution -----------------------------------------------------------

@@ -1,7 +1,11 @@
-"""Every Python example in README.md runs as written, in float32 and in float64.
+"""Every Python example in README.md and on the documentation site runs as written, in float32
+and in float64.
 
-The examples are read from the README text itself: every fenced ``python`` block. The HTML
-comment just before a block says what to do with it:
+The examples are read from the texts themselves: every fenced ``python`` block of README.md, and
+every executed ``{code-cell}`` block of the site's hand-written pages (``docs/**/*.md``; the
+generated gallery and API pages are not read, and a site page's plain ``python`` blocks are
+illustrations the build does not run). The HTML comment just before a block says what to do
+with it:
 
 * ``<!-- not-run: reason -->``: a fragment that is not meant to run on its own (kept few);
 * ``<!-- readme-test: name=pvi sd=0.2 -->``: run the block with x64 off (float32, inside
@@ -49,18 +53,25 @@ import jax
 import numpy as np
 import pytest
 
-README = Path(__file__).resolve().parent.parent / "README.md"
+ROOT = Path(__file__).resolve().parent.parent
+README = ROOT / "README.md"
+DOCS = ROOT / "docs"
+# generated at build time (the gallery's pages run in the build; the API pages hold no examples)
+GENERATED = ("_build", "gallery/tutorials", "gallery/models", "api/generated")
 FULL = os.environ.get("FEDPPL_README_FULL") == "1"
 
 # a block and the HTML comments right above it (a comment never runs past its own "-->")
 _BLOCK = re.compile(r"((?:[ \t]*<!--(?:(?!-->).)*-->[ \t]*\n)*)```python\n(.*?)^```",
                     re.S | re.M)
+# an executed cell of a MyST page: its options (":tags: ..." lines or a "---" block) are not code
+_CELL = re.compile(r"((?:[ \t]*<!--(?:(?!-->).)*-->[ \t]*\n)*)```\{code-cell\}[^\n]*\n"
+                   r"(?:---\n.*?^---\n|(?::[\w-]+:[^\n]*\n)*)(.*?)^```", re.S | re.M)
 _MARK = re.compile(r"<!--\s*(readme-test|not-run):?((?:(?!-->).)*)-->", re.S)
 
 
 class Example:
-    def __init__(self, code: str, line: int, markers: str):
-        self.code, self.line = code, line
+    def __init__(self, code: str, line: int, markers: str, source: str = "README.md"):
+        self.code, self.line, self.source = code, line, source
         self.skip_reason: str | None = None
         self.opts: dict[str, str] = {}
         self.tested = False
@@ -72,7 +83,7 @@ class Example:
                 for word in shlex.split(body):
                     key, _, value = word.partition("=")
                     self.opts[key] = value
-        self.name = self.opts.get("name", f"line{line}")
+        self.name = self.opts.get("name", f"{source}:{line}")
 
     @property
     def cut(self) -> bool:
@@ -88,10 +99,20 @@ class Example:
         return "\n".join(lines[:cut]) + "\n"
 
 
+def _pages() -> list[Path]:
+    """The site's hand-written pages (not the generated ones)."""
+    return sorted(p for p in DOCS.rglob("*.md")
+                  if not any(p.relative_to(DOCS).as_posix().startswith(g) for g in GENERATED))
+
+
+def _found(path: Path, pattern: re.Pattern) -> list[Example]:
+    text, source = path.read_text(), path.relative_to(ROOT).as_posix()
+    return [Example(m.group(2), text.count("\n", 0, m.start(2)) + 1, m.group(1), source)
+            for m in pattern.finditer(text)]
+
+
 def _examples() -> list[Example]:
-    text = README.read_text()
-    return [Example(m.group(2), text.count("\n", 0, m.start(2)) + 1, m.group(1))
-            for m in _BLOCK.finditer(text)]
+    return _found(README, _BLOCK) + [e for page in _pages() for e in _found(page, _CELL)]
 
 
 EXAMPLES = _examples()
@@ -101,11 +122,25 @@ RUN = [e for e in EXAMPLES if e.tested]
 
 def test_every_block_is_run_or_says_why_not():
     assert RUN, "no README example found"
-    loose = [e.line for e in EXAMPLES if not e.tested and e.skip_reason is None]
-    assert not loose, f"README python blocks at lines {loose} have no readme-test/not-run mark"
-    assert len(BY_NAME) == len(EXAMPLES), "two README examples share a name"
+    loose = [f"{e.source}:{e.line}" for e in EXAMPLES if not e.tested and e.skip_reason is None]
+    assert not loose, f"python blocks {loose} have no readme-test/not-run mark"
+    names = [e.name for e in EXAMPLES]
+    assert len(BY_NAME) == len(EXAMPLES), \
+        f"two examples share a name: {sorted({n for n in names if names.count(n) > 1})}"
     skipped = [e for e in EXAMPLES if e.skip_reason is not None]
     assert len(skipped) <= 4, "keep the examples that are not run few"
+    cells = [e for e in EXAMPLES if e.source != "README.md"]
+    assert cells, "no executed cell found on the documentation site"
+    assert not [e for e in cells if e.skip_reason], "a site page's executed cell always runs"
+
+
+def test_the_cell_pattern_reads_a_cell_with_options():
+    text = ("<!-- readme-test: name=a sd=1 -->\n```{code-cell} ipython3\n:tags: [hide-output]\n"
+            "x = 1\n```\n\n<!-- readme-test: name=b after=a atol=0 -->\n```{code-cell}\n---\n"
+            "tags: [remove-cell]\n---\ny = x\n```\n")
+    found = [(m.group(2), Example(m.group(2), 0, m.group(1)).opts) for m in _CELL.finditer(text)]
+    assert found == [("x = 1\n", {"name": "a", "sd": "1"}),
+                     ("y = x\n", {"name": "b", "after": "a", "atol": "0"})]
 
 
 @contextlib.contextmanager
@@ -134,7 +169,7 @@ def _namespace(name: str, x64: bool, cache: dict) -> dict:
             else {"__name__": f"readme_{name.replace('-', '_')}"}
         with _dtype(example, x64), contextlib.chdir(cache["cwd"]), \
                 contextlib.redirect_stdout(io.StringIO()) as out:
-            exec(compile(example.runnable_code(), f"README.md:{example.line}", "exec"), ns)
+            exec(compile(example.runnable_code(), f"{example.source}:{example.line}", "exec"), ns)
         ns["__stdout__"] = out.getvalue()
         if "matplotlib.pyplot" in sys.modules:  # figures an example drew
             sys.modules["matplotlib.pyplot"].close("all")
@@ -191,7 +226,7 @@ def _needs(example: Example) -> list[str]:
 @pytest.mark.parametrize("example", RUN, ids=lambda e: e.name)
 def test_readme_example(example, runs):
     for module in _needs(example):
-        pytest.importorskip(module, reason=f"this README example needs {module} (an extra)")
+        pytest.importorskip(module, reason=f"this example needs {module} (an extra)")
     ns64 = _namespace(example.name, True, runs)
     if example.opts.get("float32") == "refuses":
         with pytest.raises(Exception, match=r"enable_x64"):
