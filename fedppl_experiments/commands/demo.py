@@ -1,4 +1,4 @@
-"""``fedppl demo``: federated logistic regression on a built-in dataset (the README's first run)."""
+"""``fedppl demo``: federated logistic regression on a built-in dataset (the quickstart's model on real data)."""
 
 from __future__ import annotations
 
