@@ -69,7 +69,8 @@ def mixture_data(seed=2, n=450):
 
 
 # (model, data, sort): the mixture's clients hold random unequal shares, not sorted ones: a
-# client that sees one component only has a multimodal local problem (see the gallery benchmark page in the docs).
+# client that sees one component only has a multimodal local problem (the docs' model_gallery
+# benchmark page).
 CASES = {
     "robust_regression": (robust_regression, regression_data, True),
     "mixture": (mixture, mixture_data, False),

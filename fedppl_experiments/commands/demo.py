@@ -1,4 +1,5 @@
-"""``fedppl demo``: federated logistic regression on a built-in dataset (the quickstart's model on real data)."""
+"""``fedppl demo``: federated logistic regression on a built-in dataset (the quickstart's model,
+on real data)."""
 
 from __future__ import annotations
 
