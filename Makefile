@@ -39,7 +39,7 @@ TEST_XLA_FLAGS ?= --xla_backend_optimization_level=0 --xla_cpu_use_fusion_emitte
 # lint, type check, then the tests and the docstring examples (pytest --doctest-modules), with
 # the 20 slowest listed at the end (where to look when the suite grows)
 test: $(STAMP)
-	$(BIN)/ruff check fedppl fedppl_experiments tests benchmarks tutorials examples
+	$(BIN)/ruff check fedppl fedppl_experiments tests benchmarks tutorials examples docs
 	$(BIN)/mypy
 	OPENBLAS_NUM_THREADS=1 XLA_FLAGS="$(TEST_XLA_FLAGS)" $(BIN)/python -m pytest \
 		-n $(TEST_JOBS) --dist loadfile --no-loadscope-reorder --durations=20

@@ -26,7 +26,7 @@ os.environ["PYTHONPATH"] = os.pathsep.join(
 
 project = "fedppl"
 author = "fedppl developers"
-copyright = "2026, fedppl developers"  # noqa: A001
+copyright = "2026, fedppl developers"
 release = version = fedppl.__version__
 
 extensions = [
@@ -51,8 +51,10 @@ nb_custom_formats = {".py": ["jupytext.reads", {"fmt": "py:percent"}]}
 nb_execution_mode = os.environ.get("FEDPPL_DOCS_EXECUTE", "cache")  # "force" re-runs all
 # FEDPPL_DOCS_CACHE: another cache folder (one per concurrent build); FEDPPL_DOCS_NO_EXECUTE:
 # comma-separated page patterns not executed (a quick local build; CI sets neither)
-nb_execution_cache_path = os.environ.get("FEDPPL_DOCS_CACHE", str(DOCS / "_build" / ".jupyter_cache"))
-nb_execution_excludepatterns = [p for p in os.environ.get("FEDPPL_DOCS_NO_EXECUTE", "").split(",") if p]
+nb_execution_cache_path = os.environ.get("FEDPPL_DOCS_CACHE",
+                                         str(DOCS / "_build" / ".jupyter_cache"))
+nb_execution_excludepatterns = [
+    p for p in os.environ.get("FEDPPL_DOCS_NO_EXECUTE", "").split(",") if p]
 nb_execution_in_temp = True  # figures the examples save land in a scratch directory
 nb_execution_timeout = 900
 nb_execution_raise_on_error = True  # an example that fails fails the build
