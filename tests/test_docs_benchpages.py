@@ -1,0 +1,77 @@
+"""The benchmark pages' tables and plots (``docs/_ext/benchpages.py``) fit their result files.
+
+No Sphinx build: every ``bench-table``, ``bench-plot`` and ``bench-info`` directive of
+``docs/benchmarks/*.md`` is found in the page's text, its result files must exist, and its
+renderer must give non-empty tables (its plotter non-empty series) from them. Every benchmark
+script with result files has its page.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+PAGES = ROOT / "docs" / "benchmarks"
+
+
+def _module():
+    spec = importlib.util.spec_from_file_location("benchpages", ROOT / "docs" / "_ext" / "benchpages.py")
+    mod = importlib.util.module_from_spec(spec)
+    sys.modules.setdefault("benchpages", mod)  # dataclasses look their module up
+    spec.loader.exec_module(mod)
+    return mod
+
+
+bp = _module()
+DIRECTIVES = [(page.name, *d) for page in sorted(PAGES.glob("*.md")) for d in bp.find_directives(page.read_text())]
+
+
+def test_pages_have_directives():
+    assert len(DIRECTIVES) > 40
+    assert {d[1] for d in DIRECTIVES} == {"bench-table", "bench-plot", "bench-info"}
+
+
+@pytest.mark.parametrize("page,name,files,options", DIRECTIVES, ids=[f"{d[0]}:{d[1]}:{i}" for i, d in enumerate(DIRECTIVES)])
+def test_directive(page, name, files, options):
+    assert files, f"{page}: {name} names no result file"
+    for f in files:
+        assert bp.result_path(f).is_file(), f"{page}: no benchmarks/results/{f}"
+    if name == "bench-table":
+        tables = bp.render(files, options)
+        assert tables and all(t.header and t.rows for t in tables), f"{page}: empty table from {files}"
+        for t in tables:
+            assert all(any(c not in ("", "-") for c in row) for row in t.rows)
+    elif name == "bench-plot":
+        plot = bp.plot_series(files, options)
+        assert plot.series and all(s.x and len(s.x) == len(s.y) for s in plot.series)
+        for s in plot.series:
+            assert all(isinstance(v, (int, float)) for v in [*s.x, *s.y]), f"{page}: {s.label} is not numeric"
+    else:
+        for f in files:
+            assert bp.machine_text(bp.load(f))
+        if options.get("script"):
+            assert bp.script_commands(options["script"]), f"{page}: no command in {options['script']}.py"
+
+
+def test_every_benchmark_with_results_has_a_page():
+    results = {p.stem for p in (ROOT / "benchmarks" / "results").glob("*.json")}
+    for script in sorted((ROOT / "benchmarks").glob("*.py")):
+        if not any(r == script.stem or r.startswith(script.stem + "_") for r in results):
+            continue
+        page = "same_numbers" if script.stem.startswith("same_numbers_") else script.stem
+        assert (PAGES / f"{page}.md").is_file(), f"no page docs/benchmarks/{page}.md for {script.name}"
+
+
+def test_every_result_file_is_on_a_page():
+    shown = {f for d in DIRECTIVES for f in d[2]}
+    missing = sorted(p.name for p in (ROOT / "benchmarks" / "results").glob("*.json") if p.name not in shown)
+    assert not missing, f"result files on no benchmark page: {missing}"
+
+
+def test_markdown_tables_parse():
+    tables = bp.parse_markdown_tables("### a\n\n| x | y |\n|---|---:|\n| 1 | 2 |\n\n| z |\n|---|\n| 3 |\n")
+    assert [(t.title, t.header, t.rows) for t in tables] == [("a", ["x", "y"], [["1", "2"]]), (None, ["z"], [["3"]])]
