@@ -20,6 +20,7 @@ file_format: mystnb
 kernelspec:
   name: python3
   display_name: Python 3
+  language: python
 ---
 """
 
