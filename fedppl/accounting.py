@@ -35,6 +35,7 @@ if TYPE_CHECKING:  # dp_accounting loads scipy.signal and scipy.stats (~0.8 s): 
 
 __all__ = ["METHODS", "check_epsilon", "check_delta", "epsilon", "calibrate"]
 
+#: The accounting methods :func:`epsilon` takes: Renyi DP and privacy-loss distributions.
 METHODS = ("rdp", "pld")
 MAX_NOISE = 1e4  # calibration looks for a multiplier below this; above it nothing useful is left
 

@@ -153,6 +153,9 @@ def to_inference_data(result: PVIResult, rng_key=None, num_samples: int = 1000):
     The history entries a result names in ``client_stats`` (EP: its sampler's ``rhat``, ``ess``
     and ``mc_error``) go to ``constant_data`` as ``last_<name>``, the last round's value per
     client (dimension ``client``).
+
+    :param result: a :class:`fedppl.PVIResult` (or a result derived from it).
+    :type result: fedppl.PVIResult
     """
     import jax
 

@@ -76,6 +76,7 @@ __all__ = [
     "PrivacyAccountant",
 ]
 
+#: The rules for the constant ``c(delta)`` of the Gaussian mechanism (see :func:`c_delta`).
 RULES = ("hall", "thesis")
 
 

@@ -19,8 +19,8 @@ Client ``k`` (power ``alpha`` in (0, 1]; ``alpha = 1`` is plain EP):
    bias adds up to ``K`` times that in ``q`` (``D = 31, m = 2000, K = 10``: 17%, sds 8% small).
    For a Markov chain ``m`` is the effective number of draws of the covariance: the smallest
    effective sample size of the squared centred draws over the coordinates (clipped to
-   ``[2 D + 10, n]``); NUTS's is about half of ``n``, and taking ``m = n`` left a 1% bias per
-   site (``D = 31, n = 4000``), 5% in the sds of ``q`` at ``K = 10``. No shrinkage. ``n`` must
+   ``[2 D + 10, n]``); for NUTS it is well below ``n``, and taking ``m = n`` would leave a bias
+   per site that adds up over the clients in ``q``. No shrinkage. ``n`` must
    be at least ``2 D + 10`` (:func:`check_draws`). With ``estimator="stein"`` the moments come
    from the gradients and Hessians of the client's likelihood at the draws instead
    (:func:`stein_moments`), whose noise scales with the site, not the cavity, along the

@@ -18,10 +18,10 @@ The server's state has a ``phase``:
   DTC/SGPR predictive: the sparse GP posterior with the factor ``B = sum_k A_k / sigma^2``,
   ``b = sum_k b_k / sigma^2`` (:func:`predict`), the same posterior as from the plain sums.
   Whitening at the client is what keeps it computable: forming ``L^-1 (sum_k A_k) L^-T`` on the
-  server loses positive definiteness when the noise is small against the kernel variance (on
-  naval-propulsion-plant FSGP learns a noise variance near 1e-6 and ``C_MM``'s condition number
-  reaches 1e10: the plain sums gave a NaN prediction, the whitened ones a test log-likelihood
-  of 9.28). ``y_k^T y_k`` is not needed and not sent.
+  server loses positive definiteness when the noise is small against the kernel variance (as on
+  naval-propulsion-plant, where FSGP learns a tiny noise variance and ``C_MM`` is badly
+  conditioned: the plain sums gave a NaN prediction, the whitened ones a finite one; see the
+  sgp_uci benchmark page in the docs). ``y_k^T y_k`` is not needed and not sent.
 
 Private statistics (``privacy``, a :class:`fedppl.dp_statistics.Mechanism`, in
 :func:`make_trio`): in the aggregation round each client clips its whitened rows

@@ -4,10 +4,10 @@
 runs CAVI (:mod:`fedppl.guides.cavi`) with its cavity as the prior, warm-started at the current
 ``q``, until ``c`` stops moving or ``max_iters`` sweeps. Its local objective is the
 Jaakkola-Jordan bound of its likelihood, so the PVI fixed point is the global CAVI (JJ) posterior
-of the pooled data (a looser bound than the exact logistic likelihood of Gaussian VI: means agree
-to ~0.1 sd, standard deviations come out smaller). No learning rate and no Monte Carlo noise; the
-number of rounds follows CAVI's own linear convergence, which is slow on ill-conditioned, nearly
-separable data (breast cancer: ~230 pooled CAVI sweeps to reach 1e-3 of the optimum).
+of the pooled data (a looser bound than the exact logistic likelihood of Gaussian VI: the means
+are close to Gaussian VI's, the standard deviations come out smaller; see the pvi_polya_gamma
+benchmark page in the docs). No learning rate and no Monte Carlo noise; the number of rounds
+follows CAVI's own linear convergence, which is slow on ill-conditioned, nearly separable data.
 
 Masked (padded) rows contribute nothing; a client whose rows are all masked returns its cavity,
 so its factor stays where it is (the identity, if it started there). Labels must be 0 or 1:

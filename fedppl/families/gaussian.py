@@ -103,6 +103,7 @@ class FullGaussian(NamedTuple):
         return self.nat1.shape[-1]
 
 
+#: Either Gaussian in natural parameters (the type of a guide family, factor or ``q``).
 Gaussian = DiagGaussian | FullGaussian
 
 

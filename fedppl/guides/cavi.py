@@ -191,11 +191,13 @@ def iterate(prior: g.Gaussian, lik: LogitLikelihood, q_init: g.Gaussian, max_ite
 
 
 class CAVI:
-    """Global (pooled-data) CAVI for a Bernoulli-logit model under a :class:`PVIGuide`'s family.
+    """Global (pooled-data) CAVI for a Bernoulli-logit model under a
+    :class:`~fedppl.PVIGuide`'s family.
 
     :param model: a NumPyro model whose observed sites are Bernoulli with logits affine in the
         (unconstrained, Gaussian-prior) global sites.
-    :param guide: a :class:`PVIGuide` (its family and prior are used); default full rank.
+    :param guide: a :class:`~fedppl.PVIGuide` (its family and prior are used); default full rank.
+    :type guide: fedppl.PVIGuide or None
     :param num_iters: CAVI sweeps.
     """
 

@@ -2,7 +2,7 @@
 
 For inducing inputs on a full grid (:class:`fedppl.models.svgp.Grid`, ``m_l`` points on axis
 ``l``, ``M = prod m_l``) the prior is ``K_uu = ⊗ K_l`` and the data rows are ``k_i = ⊗ k_il``.
-The covariance of every guide here is Kronecker (Eq. 2.14),
+The covariance of every guide here is Kronecker (Eq. 2.14)::
 
     S = ⊗_l S_l,   S_l = K_l - K_l (K_l + Sigma_l)^-1 K_l,   Sigma_l diagonal > 0,
 
@@ -11,7 +11,7 @@ and the mean is ``K_uu alpha`` with ``alpha`` a Tucker tensor ``W x_1 U_1 ... x_
 ``q0 = 1`` is the Kronecker mean ``alpha = ⊗ alpha_l`` of Eq. 2.14 (:class:`KroneckerGuide`,
 the thesis's "Kronecker to within a scalar factor"). With ``a_il = k_il' K_l^-1 k_il``,
 ``c_il = k_il' (K_l + Sigma_l)^-1 k_il`` and ``t_l = tr((K_l + Sigma_l)^-1 K_l)`` the bound
-(Eqs. 2.15, 2.19) is
+(Eqs. 2.15, 2.19) is::
 
     F = sum_i [log N(y_i | mu_i, s2) - (ktilde_ii + prod_l (a_il - c_il)) / (2 s2)] - KL,
     mu_i = W x_l (k_il' U_l),    ktilde_ii = k_ii - prod_l a_il,

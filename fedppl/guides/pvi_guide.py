@@ -45,7 +45,8 @@ LOCAL = ("joint", "independent")
 
 
 class PVIGuide:
-    """Gaussian guide over the global latent sites of ``model`` (see module doc).
+    """Gaussian guide over the global latent sites of ``model`` (see
+    :mod:`fedppl.guides.pvi_guide`).
 
     :param model: a NumPyro model.
     :param global_sites: names of the global latent sites; the model's other latent sites are

@@ -1,4 +1,4 @@
-"""RNVGP (thesis Ch. 3): the guide of Eq. 3.8 trained with unbiased ``O(d T M^2)`` gradients.
+"""RNVGP (thesis chapter 3): the guide of Eq. 3.8 trained with unbiased ``O(d T M^2)`` gradients.
 
 ``q(u) = N(K_uu mu, (K_uu^-1 + Sigma^-1)^-1)`` with ``Sigma`` diagonal: the family of
 :class:`fedppl.guides.svgp.DiagGuide`, whose bound (Eq. 3.15) is Eq. 2.12. The difference is

@@ -124,9 +124,8 @@ class EP(FederatedMethod):
         ``"decaying"`` (default): ep-stan's schedule, from 0.5 towards ``min(1 / K, 0.2)`` for ``K``
         clients (rate 0.8 per round); with ``estimator="stein"`` from 0.5 towards 0.1 (rate 0.9)
         whatever ``K``, since each site's noise shrinks with the site. The Monte Carlo noise of
-        the sites sets a floor on q's error that a constant damping keeps high: breast cancer,
-        K = 10, 4 x 1000 draws, round 20, 3 seeds: worst sd error 0.10-0.12 at 0.5, 0.03-0.06
-        decaying (``benchmarks/ep_vs_pvi.py``); a floor of ``1 / K`` leaves EP crawling at
+        the sites sets a floor on q's error that a constant damping keeps high (see the
+        ep_vs_pvi benchmark page in the docs); a floor of ``1 / K`` leaves EP crawling at
         ``K = 100`` once its sites are precise.
     :param num_warmup, num_samples, num_chains: NUTS per client and round; the draws,
         ``num_samples * num_chains``, must be at least ``2 D + 10`` for ``D`` global coordinates.
@@ -142,8 +141,8 @@ class EP(FederatedMethod):
         is a zero change); it is recorded as not converged (``history["converged"]``, and in
         ``result.unconverged``). When every client skips in round 1 (a hierarchical model's tilted
         distributions at the prior cavity are hard for NUTS), start from PVI's factors:
-        ``ep.run(key, clients, n, factors=pvi_result.factors)``
-        (``benchmarks/ep_hierarchical.py --init-pvi 4``: every client mixes from round 1).
+        ``ep.run(key, clients, n, factors=pvi_result.factors)`` (see the ep_hierarchical
+        benchmark page in the docs).
     :param tilted: ``"nuts"`` or ``"exact"`` (closed form, for a Gaussian likelihood affine in
         the global sites: to check the algebra).
     :param chain_method: ``"sequential"`` or ``"vectorized"`` chains (see
@@ -155,9 +154,8 @@ class EP(FederatedMethod):
         directions where the site is weaker than its cavity, and the sample moments along the
         rest, :func:`fedppl.algorithms.ep.blend_moments`). Stein's estimate is noisy in
         proportion to the client's own site rather than to the cavity, so it is the one for
-        many clients each holding little data: breast cancer, K = 100, where the sample
-        moments leave EP at 0.19 sd and 46% (``benchmarks/ep_vs_pvi.py``). It costs a Hessian
-        over the global coordinates per draw.
+        many clients each holding little data (see the ep_vs_pvi benchmark page in the docs).
+        It costs a Hessian over the global coordinates per draw.
     :param elbo_samples: draws for a global ELBO of ``q`` per round (0, the default, skips it).
     :param clients_per_round, shrink_warning, max_divergence: as for :class:`fedppl.PVI`.
     """

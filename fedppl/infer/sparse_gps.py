@@ -63,7 +63,7 @@ class SGPConfig(NamedTuple):
     N(0, I) draw) or ``"pseudo-inputs"``: ``num_inducing`` rows drawn from the clients' initial
     DPO pseudo-inputs, which ``pseudo_init="data"`` takes from their data; so it reveals no row
     that the first messages do not carry already (DPO, FedAvg-Z and fixed Z; not on a deployment,
-    whose server holds no data). Measured on yacht in the README.
+    whose server holds no data). See the sgp_dpo_diagnosis benchmark page in the docs.
     ``covariance``: DPO's S_k, ``"diag"`` (the paper's), ``"full"``, or ``"noise"``:
     ``noise^2 diag(exp(s))``, so that the pseudo-noise follows the learnt noise.
     ``shared_draws``: 0 (the paper's method) or S > 0: every client's local free energy is
@@ -210,7 +210,7 @@ _free_energy_jit = jax.jit(sgp_pvi.free_energy, static_argnums=(0, 6))
 
 
 class FederatedSGP(FederatedMethod):
-    """A federated sparse GP (see the module docstring for the methods).
+    """A federated sparse GP (the methods: see :mod:`fedppl.infer.sparse_gps`).
 
     :param method: ``"dpo"``, ``"cpo"``, ``"fedavg-z"``, ``"fixed"`` or ``"global"``.
     :param config: an :class:`SGPConfig`; keyword arguments override its fields.

@@ -55,6 +55,7 @@ from fedppl.runtime.embedded import make_round
 
 __all__ = ["Faults", "KINDS", "corrupt"]
 
+#: The kinds of corrupted message :func:`corrupt` can make.
 KINDS = ("nan", "inf", "huge", "improper")
 _CORRUPT: dict[str, Callable[[Any], Any]] = {
     "nan": lambda x: jnp.full_like(x, jnp.nan),

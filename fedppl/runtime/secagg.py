@@ -44,7 +44,8 @@ except ImportError as err:  # pragma: no cover - depends on the environment
 
 __all__ = ["SumTask", "secure_sum", "secure_sum_apps", "QUANTIZATION"]
 
-QUANTIZATION = 2**22  # SecAgg+'s levels over [-1, 1] after scaling
+#: SecAgg+'s quantisation levels over [-1, 1], after the values are scaled into that range.
+QUANTIZATION = 2**22
 
 
 class SumTask(NamedTuple):

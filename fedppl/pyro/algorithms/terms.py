@@ -49,7 +49,7 @@ __all__ = ["LogLik", "log_lik_fn", "observed_log_density", "model_terms"]
 class _Bernoulli(dist.Bernoulli):
     """``Bernoulli`` whose log density is ``-y softplus(-f) - (1 - y) softplus(f)``: the same
     numbers as torch's ``binary_cross_entropy_with_logits`` (to round-off), which under
-    ``torch.func.vmap`` runs about 300 times slower (torch 2.13, CPU)."""
+    ``torch.func.vmap`` runs far slower on CPU."""
 
     def log_prob(self, value):
         f = self.logits
