@@ -23,6 +23,9 @@ import fedppl  # noqa: E402
 # the executed pages' kernels import examples.gallery from the checkout
 os.environ["PYTHONPATH"] = os.pathsep.join(
     [str(ROOT), *filter(None, [os.environ.get("PYTHONPATH")])])
+# tqdm.auto picks its notebook bar in a kernel and warns that ipywidgets is missing: the pages
+# run with progress_bar=False, so the warning says nothing about them
+os.environ["PYTHONWARNINGS"] = "ignore:IProgress not found"
 
 project = "fedppl"
 author = "fedppl developers"
