@@ -47,11 +47,15 @@ test: $(STAMP)
 # The site: -E reads every page afresh (so -W sees every warning); the examples' outputs are
 # cached in docs/_build/.jupyter_cache and re-executed only when a page's code changes (a fresh
 # clone executes them all). The browser test needs Debian's chromium (apt-get install chromium).
+# The examples are compile-bound too: their kernels take the test suite's XLA flags (round-off
+# only; about a third less CPU), as DOCS_XLA_FLAGS.
 DOCS_JOBS ?= 2
+DOCS_XLA_FLAGS ?= $(TEST_XLA_FLAGS)
 docs: $(STAMP)
 	@test -x /usr/bin/chromium || { echo "make docs: the browser test needs /usr/bin/chromium" \
 		"(Debian: apt-get install chromium)"; exit 1; }
-	OPENBLAS_NUM_THREADS=1 $(BIN)/sphinx-build -W --keep-going -E -j $(DOCS_JOBS) -b html \
+	OPENBLAS_NUM_THREADS=1 XLA_FLAGS="$(DOCS_XLA_FLAGS)" $(BIN)/sphinx-build -W --keep-going -E \
+		-j $(DOCS_JOBS) -b html \
 		docs docs/_build/html
 	$(BIN)/python -m pytest -q -p no:cacheprovider docs/_tests
 

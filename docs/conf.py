@@ -81,6 +81,7 @@ autodoc_member_order = "bysource"
 html_theme = "pydata_sphinx_theme"
 html_title = "fedppl"
 html_static_path = ["_static"]
+html_css_files = ["fedppl.css"]
 html_theme_options = {
     "navbar_align": "left",
     "show_toc_level": 2,

@@ -50,7 +50,7 @@ print("client sizes:", clients.sizes)
 # iterations on fixed Monte Carlo draws), so q stops moving once PVI has converged: `tol` ends
 # the run there, and the history says how far q moved and whether every local step converged.
 pvi = fedppl.PVI(model, PVIGuide(model, family="fullrank"), schedule="sequential")
-result = pvi.run(jax.random.key(0), clients, num_rounds=20, tol=1e-8)
+result = pvi.run(jax.random.key(0), clients, num_rounds=20, tol=1e-8, progress_bar=False)
 print("rounds run:", len(result.history["kl_change"]))
 print("KL(q_new || q_old) by round:", result.history["kl_change"])
 print("every local step converged:", bool(np.all(result.history["converged"] == 1)))
@@ -61,7 +61,8 @@ print("bytes sent up per round:", result.history["bytes_up"][0])
 # ## 4. The answer PVI converges to: global VI on the pooled data
 
 # %%
-ref = fedppl.GlobalVI(model, PVIGuide(model, family="fullrank")).run(jax.random.key(1), clients)
+ref = fedppl.GlobalVI(model, PVIGuide(model, family="fullrank")).run(jax.random.key(1), clients,
+                                                                     progress_bar=False)
 (m_pvi, c_pvi), (m_ref, c_ref) = result.mean_and_cov(), ref.mean_and_cov()
 print("posterior mean  PVI:", np.round(m_pvi, 3))
 print("posterior mean  VI :", np.round(m_ref, 3))

@@ -73,7 +73,7 @@ checks). A Pareto k-hat below the threshold says the importance-corrected moment
 trusted, and a warning is printed when it is not:
 
 ```{{code-cell}} ipython3
-check = result.check(jax.random.key(2), clients)
+{check_tags}check = result.check(jax.random.key(2), clients)
 print(f"k-hat {{check.khat:.2f}} (threshold {{check.threshold:.2f}}), "
       f"effective sample size {{check.ess:.0f}} of 1000")
 ```
@@ -109,7 +109,11 @@ def generate(srcdir: Path, write) -> None:
         local = ("" if entry.global_sites is None else
                  f" (global sites {', '.join(f'`{s}`' for s in entry.global_sites)}; every other"
                  " latent site is local to its client and never leaves it)")
-        page = MODEL_PAGE.format(title=name.replace("_", " ").capitalize(), name=name,
+        # a model that subsamples its data plate has no exact per-client log-likelihood: the
+        # check refuses it, and the page shows the refusal
+        subsamples = "subsample_size" in _model_source(entry)
+        check_tags = ":tags: [raises-exception]\n" if subsamples else ""
+        page = MODEL_PAGE.format(check_tags=check_tags,title=name.replace("_", " ").capitalize(), name=name,
                                  description=entry.description, source=_model_source(entry),
                                  family=entry.family, local_note=local)
         write(srcdir / "gallery" / "models" / f"{name}.md", page)
