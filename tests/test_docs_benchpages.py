@@ -19,7 +19,9 @@ PAGES = ROOT / "docs" / "benchmarks"
 
 
 def _module():
-    spec = importlib.util.spec_from_file_location("benchpages", ROOT / "docs" / "_ext" / "benchpages.py")
+    spec = importlib.util.spec_from_file_location(
+        "benchpages", ROOT / "docs" / "_ext" / "benchpages.py"
+    )
     mod = importlib.util.module_from_spec(spec)
     sys.modules.setdefault("benchpages", mod)  # dataclasses look their module up
     spec.loader.exec_module(mod)
@@ -27,7 +29,11 @@ def _module():
 
 
 bp = _module()
-DIRECTIVES = [(page.name, *d) for page in sorted(PAGES.glob("*.md")) for d in bp.find_directives(page.read_text())]
+DIRECTIVES = [
+    (page.name, *d)
+    for page in sorted(PAGES.glob("*.md"))
+    for d in bp.find_directives(page.read_text())
+]
 
 
 def test_pages_have_directives():
@@ -35,26 +41,36 @@ def test_pages_have_directives():
     assert {d[1] for d in DIRECTIVES} == {"bench-table", "bench-plot", "bench-info"}
 
 
-@pytest.mark.parametrize("page,name,files,options", DIRECTIVES, ids=[f"{d[0]}:{d[1]}:{i}" for i, d in enumerate(DIRECTIVES)])
+@pytest.mark.parametrize(
+    "page,name,files,options",
+    DIRECTIVES,
+    ids=[f"{d[0]}:{d[1]}:{i}" for i, d in enumerate(DIRECTIVES)],
+)
 def test_directive(page, name, files, options):
     assert files, f"{page}: {name} names no result file"
     for f in files:
         assert bp.result_path(f).is_file(), f"{page}: no benchmarks/results/{f}"
     if name == "bench-table":
         tables = bp.render(files, options)
-        assert tables and all(t.header and t.rows for t in tables), f"{page}: empty table from {files}"
+        assert tables and all(t.header and t.rows for t in tables), (
+            f"{page}: empty table from {files}"
+        )
         for t in tables:
             assert all(any(c not in ("", "-") for c in row) for row in t.rows)
     elif name == "bench-plot":
         plot = bp.plot_series(files, options)
         assert plot.series and all(s.x and len(s.x) == len(s.y) for s in plot.series)
         for s in plot.series:
-            assert all(isinstance(v, (int, float)) for v in [*s.x, *s.y]), f"{page}: {s.label} is not numeric"
+            assert all(isinstance(v, (int, float)) for v in [*s.x, *s.y]), (
+                f"{page}: {s.label} is not numeric"
+            )
     else:
         for f in files:
             assert bp.machine_text(bp.load(f))
         if options.get("script"):
-            assert bp.script_commands(options["script"]), f"{page}: no command in {options['script']}.py"
+            assert bp.script_commands(options["script"]), (
+                f"{page}: no command in {options['script']}.py"
+            )
 
 
 def test_every_benchmark_with_results_has_a_page():
@@ -63,15 +79,24 @@ def test_every_benchmark_with_results_has_a_page():
         if not any(r == script.stem or r.startswith(script.stem + "_") for r in results):
             continue
         page = "same_numbers" if script.stem.startswith("same_numbers_") else script.stem
-        assert (PAGES / f"{page}.md").is_file(), f"no page docs/benchmarks/{page}.md for {script.name}"
+        assert (PAGES / f"{page}.md").is_file(), (
+            f"no page docs/benchmarks/{page}.md for {script.name}"
+        )
 
 
 def test_every_result_file_is_on_a_page():
     shown = {f for d in DIRECTIVES for f in d[2]}
-    missing = sorted(p.name for p in (ROOT / "benchmarks" / "results").glob("*.json") if p.name not in shown)
+    missing = sorted(
+        p.name for p in (ROOT / "benchmarks" / "results").glob("*.json") if p.name not in shown
+    )
     assert not missing, f"result files on no benchmark page: {missing}"
 
 
 def test_markdown_tables_parse():
-    tables = bp.parse_markdown_tables("### a\n\n| x | y |\n|---|---:|\n| 1 | 2 |\n\n| z |\n|---|\n| 3 |\n")
-    assert [(t.title, t.header, t.rows) for t in tables] == [("a", ["x", "y"], [["1", "2"]]), (None, ["z"], [["3"]])]
+    tables = bp.parse_markdown_tables(
+        "### a\n\n| x | y |\n|---|---:|\n| 1 | 2 |\n\n| z |\n|---|\n| 3 |\n"
+    )
+    assert [(t.title, t.header, t.rows) for t in tables] == [
+        ("a", ["x", "y"], [["1", "2"]]),
+        (None, ["z"], [["3"]]),
+    ]

@@ -40,9 +40,10 @@ import ast
 import json
 import math
 import re
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any, ClassVar
 
 ROOT = Path(__file__).resolve().parents[2]
 RESULTS = ROOT / "benchmarks" / "results"
@@ -116,7 +117,7 @@ def fmt(value: Any, spec: str | None = None, digits: int = 4) -> str:
             return f"{value:,}" if abs(value) >= 10000 else str(value)
         if value == 0:
             return "0"
-        if abs(value) >= 10 ** digits:
+        if abs(value) >= 10**digits:
             return f"{value:,.0f}"
         if abs(value) < 1e-3:
             return f"{value:.{max(digits - 2, 1)}e}"
@@ -127,7 +128,9 @@ def fmt(value: Any, spec: str | None = None, digits: int = 4) -> str:
 def _cell(row: Any, path: str, spec: str | None, digits: int) -> str:
     if "±" in path:
         a, b = path.split("±", 1)
-        return f"{fmt(get(row, a.strip()), spec, digits)} ± {fmt(get(row, b.strip()), spec, digits)}"
+        return (
+            f"{fmt(get(row, a.strip()), spec, digits)} ± {fmt(get(row, b.strip()), spec, digits)}"
+        )
     if path == "_key":
         return str(row.get("_key", ""))
     return fmt(get(row, path), spec, digits)
@@ -166,8 +169,12 @@ def _items(obj: Any) -> list[Any]:
 def _where(rows: list[Any], option: str | None) -> list[Any]:
     for cond in _split(option):
         path, _, want = cond.partition("=")
-        rows = [r for r in rows if fmt(get(r, path.strip()), None, 12) == want.strip()
-                or str(get(r, path.strip())) == want.strip()]
+        rows = [
+            r
+            for r in rows
+            if fmt(get(r, path.strip()), None, 12) == want.strip()
+            or str(get(r, path.strip())) == want.strip()
+        ]
     return rows
 
 
@@ -194,10 +201,18 @@ def render_rows(datas: list[tuple[str, Any]], options: dict) -> list[Table]:
             rows.append(item)
     rows = _where(rows, options.get("where"))
     if not cols:  # every scalar key of the first row
-        cols = [(k, k, None) for k, v in rows[0].items() if not isinstance(v, (list, dict))
-                and k != "_file"]
-    return [Table(options.get("caption"), [c[1] for c in cols],
-                  [[_cell(r, p, s, digits) for p, _, s in cols] for r in rows])]
+        cols = [
+            (k, k, None)
+            for k, v in rows[0].items()
+            if not isinstance(v, (list, dict)) and k != "_file"
+        ]
+    return [
+        Table(
+            options.get("caption"),
+            [c[1] for c in cols],
+            [[_cell(r, p, s, digits) for p, _, s in cols] for r in rows],
+        )
+    ]
 
 
 def parse_markdown_tables(text: str) -> list[Table]:
@@ -236,7 +251,10 @@ def render_markdown(datas: list[tuple[str, Any]], options: dict) -> list[Table]:
     out = []
     for _name, data in datas:
         key = options.get("key") or next(
-            k for k in ("tables_markdown", "table_markdown", "tables", "table") if isinstance(data.get(k), str))
+            k
+            for k in ("tables_markdown", "table_markdown", "tables", "table")
+            if isinstance(data.get(k), str)
+        )
         tables = parse_markdown_tables(get(data, key))
         if options.get("tables"):
             tables = [tables[int(i)] for i in _split(options["tables"])]
@@ -253,11 +271,19 @@ def _final(rows: list[dict]) -> dict:
 
 def render_ep_vs_pvi(datas, options):
     """EP / PVI / one-shot against pooled NUTS after the last round, one column group per seed."""
-    (_name, data), = datas
+    ((_name, data),) = datas
     seeds = data["seeds"]
     ids = " / ".join(str(s["seed"]) for s in seeds)
-    header = ["method", "rounds", f"worst mean error (sd), seeds {ids}", "worst sd error",
-              "test log-lik", "first round within target", "rounds to converge", "s/round (median)"]
+    header = [
+        "method",
+        "rounds",
+        f"worst mean error (sd), seeds {ids}",
+        "worst sd error",
+        "test log-lik",
+        "first round within target",
+        "rounds to converge",
+        "s/round (median)",
+    ]
     rows = []
     for method in seeds[0]["methods"]:
         per = [s["methods"].get(method) for s in seeds]
@@ -265,32 +291,57 @@ def render_ep_vs_pvi(datas, options):
             continue
         lasts = [_final(p["rows"]) for p in per]
         secs = sorted(r["seconds"] for p in per for r in p["rows"][1:]) or [float("nan")]
-        rows.append([
-            method, str(lasts[0].get("round")),
-            " / ".join(fmt(r.get("mean_err"), ".3f") for r in lasts),
-            " / ".join(fmt(r.get("sd_err"), ".3f") for r in lasts),
-            " / ".join(fmt(r.get("test_ll"), ".4f") for r in lasts),
-            " / ".join(fmt(p.get("within_target")) for p in per),
-            " / ".join(fmt(p.get("converged")) for p in per),
-            fmt(secs[len(secs) // 2], ".3g"),
-        ])
-    for method in (seeds[0].get("one_shot") or {}):
+        rows.append(
+            [
+                method,
+                str(lasts[0].get("round")),
+                " / ".join(fmt(r.get("mean_err"), ".3f") for r in lasts),
+                " / ".join(fmt(r.get("sd_err"), ".3f") for r in lasts),
+                " / ".join(fmt(r.get("test_ll"), ".4f") for r in lasts),
+                " / ".join(fmt(p.get("within_target")) for p in per),
+                " / ".join(fmt(p.get("converged")) for p in per),
+                fmt(secs[len(secs) // 2], ".3g"),
+            ]
+        )
+    for method in seeds[0].get("one_shot") or {}:
         per = [s["one_shot"][method] for s in seeds]
-        rows.append([
-            f"{method} one-shot", "1",
-            " / ".join(fmt(p.get("mean_err"), ".3f") for p in per),
-            " / ".join(fmt(p.get("sd_err"), ".3f") for p in per),
-            " / ".join(fmt(p.get("test_ll"), ".4f") for p in per),
-            "-", "1", fmt(per[0].get("seconds"), ".3g"),
-        ])
-    rows.append(["pooled NUTS (reference)", "-", "0", "0",
-                 " / ".join(fmt(s.get("pooled_nuts_test_ll"), ".4f") for s in seeds), "-", "-", "-"])
+        rows.append(
+            [
+                f"{method} one-shot",
+                "1",
+                " / ".join(fmt(p.get("mean_err"), ".3f") for p in per),
+                " / ".join(fmt(p.get("sd_err"), ".3f") for p in per),
+                " / ".join(fmt(p.get("test_ll"), ".4f") for p in per),
+                "-",
+                "1",
+                fmt(per[0].get("seconds"), ".3g"),
+            ]
+        )
+    rows.append(
+        [
+            "pooled NUTS (reference)",
+            "-",
+            "0",
+            "0",
+            " / ".join(fmt(s.get("pooled_nuts_test_ll"), ".4f") for s in seeds),
+            "-",
+            "-",
+            "-",
+        ]
+    )
     return [Table(options.get("caption"), header, rows)]
 
 
 def render_ep_hierarchical(datas, options):
     """Each method's last round against pooled NUTS (one row per method and file)."""
-    header = ["result file", "method", "round", "worst mean error (sd)", "worst sd error", "s/round (median)"]
+    header = [
+        "result file",
+        "method",
+        "round",
+        "worst mean error (sd)",
+        "worst sd error",
+        "s/round (median)",
+    ]
     rows = []
     for name, data in datas:
         for seed in data["seeds"]:
@@ -300,19 +351,41 @@ def render_ep_hierarchical(datas, options):
                     continue
                 last = runs[-1]
                 secs = [r["seconds"] for r in runs if r.get("seconds") is not None]
-                rows.append([name, method, str(last["round"]), fmt(last["mean_err"], ".2f"),
-                             fmt(last["sd_err"], ".2f"), fmt(_median(secs), ".3g") if secs else "-"])
+                rows.append(
+                    [
+                        name,
+                        method,
+                        str(last["round"]),
+                        fmt(last["mean_err"], ".2f"),
+                        fmt(last["sd_err"], ".2f"),
+                        fmt(_median(secs), ".3g") if secs else "-",
+                    ]
+                )
             for method, m in (seed.get("merges") or {}).items():
-                rows.append([name, f"{method} one-shot", "-", fmt(m.get("mean_err"), ".2f"),
-                             fmt(m.get("sd_err"), ".2f"), fmt(m.get("seconds"), ".3g")])
+                rows.append(
+                    [
+                        name,
+                        f"{method} one-shot",
+                        "-",
+                        fmt(m.get("mean_err"), ".2f"),
+                        fmt(m.get("sd_err"), ".2f"),
+                        fmt(m.get("seconds"), ".3g"),
+                    ]
+                )
     return [Table(options.get("caption"), header, rows)]
 
 
 def render_ep_sd_ratio(datas, options):
     """EP's last sd over pooled NUTS's sd, per file (a number of clients), for the weakest
     log-scale (the log sigma with the largest pooled sd) and the range over the others."""
-    header = ["result file", "clients K", "estimator", "rounds",
-              "EP sd / pooled sd, weakest log-scale", "the other coordinates"]
+    header = [
+        "result file",
+        "clients K",
+        "estimator",
+        "rounds",
+        "EP sd / pooled sd, weakest log-scale",
+        "the other coordinates",
+    ]
     rows = []
     for name, data in datas:
         seed = data["seeds"][0]
@@ -320,42 +393,83 @@ def render_ep_sd_ratio(datas, options):
         ep_sd = seed["ep_last"]["sd"]
         d = len(ref_sd) // 2  # (mu, log sigma)
         weakest = max(range(d, 2 * d), key=lambda i: ref_sd[i])
-        ratios = [e / r for e, r in zip(ep_sd, ref_sd)]
+        ratios = [e / r for e, r in zip(ep_sd, ref_sd, strict=True)]
         others = [x for i, x in enumerate(ratios) if i != weakest]
-        rows.append([name, str(data["settings"]["clients"]), str(data["settings"]["estimator"]),
-                     str(len(seed["methods"]["EP"])), fmt(ratios[weakest], ".2f"),
-                     f"{min(others):.2f}-{max(others):.2f}"])
+        rows.append(
+            [
+                name,
+                str(data["settings"]["clients"]),
+                str(data["settings"]["estimator"]),
+                str(len(seed["methods"]["EP"])),
+                fmt(ratios[weakest], ".2f"),
+                f"{min(others):.2f}-{max(others):.2f}",
+            ]
+        )
     return [Table(options.get("caption"), header, rows)]
 
 
 def render_check_refine(datas, options):
     """PVI's q, the check's corrected moments and refine's, against pooled NUTS."""
-    header = ["result file", "estimate", "rounds", "worst mean error (sd)", "worst sd error",
-              "k-hat", "ESS", "reliable"]
+    header = [
+        "result file",
+        "estimate",
+        "rounds",
+        "worst mean error (sd)",
+        "worst sd error",
+        "k-hat",
+        "ESS",
+        "reliable",
+    ]
     rows = []
     for name, data in datas:
         m = data["run"]["methods"]
         rr = m.get("refine_rounds") or []
-        rows.append([name, "PVI q", fmt(m["PVI q"]["rounds"]), fmt(m["PVI q"]["mean_err"], ".3f"),
-                     fmt(m["PVI q"]["sd_err"], ".3f"), "-", "-", "-"])
-        for label, key, r in (("check (corrected moments)", "check", rr[0] if rr else {}),
-                              ("refine", "refine", rr[-1] if rr else {})):
+        rows.append(
+            [
+                name,
+                "PVI q",
+                fmt(m["PVI q"]["rounds"]),
+                fmt(m["PVI q"]["mean_err"], ".3f"),
+                fmt(m["PVI q"]["sd_err"], ".3f"),
+                "-",
+                "-",
+                "-",
+            ]
+        )
+        for label, key, r in (
+            ("check (corrected moments)", "check", rr[0] if rr else {}),
+            ("refine", "refine", rr[-1] if rr else {}),
+        ):
             s = m[key]
-            rows.append([name, label, fmt(s["rounds"]), fmt(r.get("mean_err"), ".3f"),
-                         fmt(r.get("sd_err"), ".3f"), fmt(s["khat"], ".2f"), fmt(s["ess"], ".0f"),
-                         fmt(s["reliable"])])
+            rows.append(
+                [
+                    name,
+                    label,
+                    fmt(s["rounds"]),
+                    fmt(r.get("mean_err"), ".3f"),
+                    fmt(r.get("sd_err"), ".3f"),
+                    fmt(s["khat"], ".2f"),
+                    fmt(s["ess"], ".0f"),
+                    fmt(s["reliable"]),
+                ]
+            )
     return [Table(options.get("caption"), header, rows)]
 
 
 def render_check_refine_rounds(datas, options):
     """Refine round by round: its diagnostics and its distance from pooled NUTS."""
-    (_name, data), = datas
-    return render_rows([( _name, data)], {
-        "rows": "run.methods.refine_rounds",
-        "columns": "round, draws, khat=k-hat|.2f, ess=ESS|.0f, mean_err=worst mean error (sd)|.3f, "
-                   "sd_err=worst sd error|.3f, worst_mcse=its Monte Carlo error (sd)|.3f, "
-                   "worst_z=worst error / Monte Carlo error|.1f, local_sd=local sd (nats)|.2f",
-        "caption": options.get("caption")})
+    ((_name, data),) = datas
+    return render_rows(
+        [(_name, data)],
+        {
+            "rows": "run.methods.refine_rounds",
+            "columns": "round, draws, khat=k-hat|.2f, ess=ESS|.0f, "
+            "mean_err=worst mean error (sd)|.3f, "
+            "sd_err=worst sd error|.3f, worst_mcse=its Monte Carlo error (sd)|.3f, "
+            "worst_z=worst error / Monte Carlo error|.1f, local_sd=local sd (nats)|.2f",
+            "caption": options.get("caption"),
+        },
+    )
 
 
 def _pair(d: Any) -> str:
@@ -380,25 +494,57 @@ def render_model_gallery(datas, options):
                 svi += f" (local {_pair(r['local_vs_svi'])})"
             if r.get("local_vs_nuts"):
                 nuts += f" (local {_pair(r['local_vs_nuts'])})"
-            rows.append([r["model"], fmt(r.get("rounds")), fmt(r.get("seconds"), ".1f"), svi, nuts,
-                         _pair(r.get("svi_vs_nuts"))])
+            rows.append(
+                [
+                    r["model"],
+                    fmt(r.get("rounds")),
+                    fmt(r.get("seconds"), ".1f"),
+                    svi,
+                    nuts,
+                    _pair(r.get("svi_vs_nuts")),
+                ]
+            )
     return [Table(options.get("caption"), header, rows)]
 
 
 def render_gallery_refine(datas, options):
     """The check and refine on each gallery model (errors against NUTS: mean in sd / sd ratio)."""
-    header = ["model", "PVI vs NUTS", "check k-hat", "refine rounds", "refined k-hat",
-              "refined ESS", "refined vs NUTS"]
+    header = [
+        "model",
+        "PVI vs NUTS",
+        "check k-hat",
+        "refine rounds",
+        "refined k-hat",
+        "refined ESS",
+        "refined vs NUTS",
+    ]
     rows = []
     for _name, data in datas:
         for r in data["rows"]:
             if "khat_check" not in r:
-                rows.append([r["model"], _pair(r.get("vs_nuts")), "-", "-", "-", "-",
-                             str(r.get("refine_error") or r.get("error") or "-")[:80]])
+                rows.append(
+                    [
+                        r["model"],
+                        _pair(r.get("vs_nuts")),
+                        "-",
+                        "-",
+                        "-",
+                        "-",
+                        str(r.get("refine_error") or r.get("error") or "-")[:80],
+                    ]
+                )
                 continue
-            rows.append([r["model"], _pair(r.get("vs_nuts")), fmt(r["khat_check"], ".2f"),
-                         fmt(r.get("refine_rounds")), fmt(r.get("khat_refined"), ".2f"),
-                         fmt(r.get("ess_refined"), ".0f"), _pair(r.get("refined_vs_nuts"))])
+            rows.append(
+                [
+                    r["model"],
+                    _pair(r.get("vs_nuts")),
+                    fmt(r["khat_check"], ".2f"),
+                    fmt(r.get("refine_rounds")),
+                    fmt(r.get("khat_refined"), ".2f"),
+                    fmt(r.get("ess_refined"), ".0f"),
+                    _pair(r.get("refined_vs_nuts")),
+                ]
+            )
     return [Table(options.get("caption"), header, rows)]
 
 
@@ -421,8 +567,19 @@ def _span(values: list[float], spec: str) -> str:
 def render_pvi_accuracy(datas, options):
     """Worst errors after the last round, ranges over the partition seeds: mean error in sd
     against GlobalVI with the same draws ("same") and a converged GlobalVI ("conv")."""
-    header = ["task", "family", "K", "local step", "damping", "rounds", "seeds",
-              "mean error (same / conv)", "sd error (same / conv)", "s/round", "rejected"]
+    header = [
+        "task",
+        "family",
+        "K",
+        "local step",
+        "damping",
+        "rounds",
+        "seeds",
+        "mean error (same / conv)",
+        "sd error (same / conv)",
+        "s/round",
+        "rejected",
+    ]
     groups: dict[tuple, list[dict]] = {}
     for _name, data in datas:
         for r in data["runs"]:
@@ -430,31 +587,70 @@ def render_pvi_accuracy(datas, options):
             groups.setdefault(key, []).append(r)
     rows = []
     for key, runs in groups.items():
-        last = lambda name: [r[name][-1] for r in runs]  # noqa: E731
-        rows.append([*map(str, key[:2]), str(key[2]), key[3], fmt(key[4]), str(key[5]), str(len(runs)),
-                     f"{_span(last('mean_same'), '.3f')} / {_span(last('mean_conv'), '.3f')}",
-                     f"{_span(last('sd_same'), '.3f')} / {_span(last('sd_conv'), '.3f')}",
-                     _span([_median(r["seconds"][1:] or r["seconds"]) if isinstance(r["seconds"], list)
-                            else r["seconds"] / r["rounds"] for r in runs], ".3f"),
-                     str(sum(_total(r.get("rejected")) for r in runs))])
+        def last(name, runs=runs):
+            return [r[name][-1] for r in runs]
+
+        rows.append(
+            [
+                *map(str, key[:2]),
+                str(key[2]),
+                key[3],
+                fmt(key[4]),
+                str(key[5]),
+                str(len(runs)),
+                f"{_span(last('mean_same'), '.3f')} / {_span(last('mean_conv'), '.3f')}",
+                f"{_span(last('sd_same'), '.3f')} / {_span(last('sd_conv'), '.3f')}",
+                _span(
+                    [
+                        _median(r["seconds"][1:] or r["seconds"])
+                        if isinstance(r["seconds"], list)
+                        else r["seconds"] / r["rounds"]
+                        for r in runs
+                    ],
+                    ".3f",
+                ),
+                str(sum(_total(r.get("rejected")) for r in runs)),
+            ]
+        )
     return [Table(options.get("caption"), header, rows)]
 
 
 def render_pvi_accuracy_glm(datas, options):
     """The simulated Poisson and probit regressions: worst errors after the last round."""
-    header = ["task", "family", "damping", "rounds", "mean error (same / conv)", "sd error (same / conv)"]
+    header = [
+        "task",
+        "family",
+        "damping",
+        "rounds",
+        "mean error (same / conv)",
+        "sd error (same / conv)",
+    ]
     rows = []
     for _name, data in datas:
         for task in data.get("glm") or []:
             for r in task["runs"]:
-                rows.append([task["task"], r["family"], fmt(r["damping"]), str(r["rounds"]),
-                             f"{r['mean_same'][-1]:.3f} / {r['mean_conv'][-1]:.3f}",
-                             f"{r['sd_same'][-1]:.3f} / {r['sd_conv'][-1]:.3f}"])
+                rows.append(
+                    [
+                        task["task"],
+                        r["family"],
+                        fmt(r["damping"]),
+                        str(r["rounds"]),
+                        f"{r['mean_same'][-1]:.3f} / {r['mean_conv'][-1]:.3f}",
+                        f"{r['sd_same'][-1]:.3f} / {r['sd_conv'][-1]:.3f}",
+                    ]
+                )
         long = data.get("long")
         if long:
-            rows.append([f"breast cancer, long run (K = {long['K']})", "fullrank", fmt(long["damping"]),
-                         str(long["rounds"]), f"{long['mean_same'][-1]:.3f} / {long['mean_conv'][-1]:.3f}",
-                         f"{long['sd_same'][-1]:.3f} / {long['sd_conv'][-1]:.3f}"])
+            rows.append(
+                [
+                    f"breast cancer, long run (K = {long['K']})",
+                    "fullrank",
+                    fmt(long["damping"]),
+                    str(long["rounds"]),
+                    f"{long['mean_same'][-1]:.3f} / {long['mean_conv'][-1]:.3f}",
+                    f"{long['sd_same'][-1]:.3f} / {long['sd_conv'][-1]:.3f}",
+                ]
+            )
     return [Table(options.get("caption"), header, rows)]
 
 
@@ -482,8 +678,12 @@ def render_same_numbers(datas, options):
             if not leaves:
                 continue
             worst = max(leaves)
-            where = value.get("worst") if isinstance(value, dict) and value.get("worst") else worst[1]
-            rows.append([name, case, fmt(worst[0], ".1e") if worst[0] else "0 (bit-identical)", str(where)])
+            where = (
+                value.get("worst") if isinstance(value, dict) and value.get("worst") else worst[1]
+            )
+            rows.append(
+                [name, case, fmt(worst[0], ".1e") if worst[0] else "0 (bit-identical)", str(where)]
+            )
     return [Table(options.get("caption"), header, rows)]
 
 
@@ -526,6 +726,7 @@ def machine_text(data: dict) -> str:
     for k in ("cpus", "cpu_count", "jax", "device", "devices", "backend", "processor"):
         if k in data and k not in m:
             m[k] = data[k]
+
     def text(v):
         v = _decode(v)
         if isinstance(v, dict):
@@ -600,42 +801,63 @@ class Plot:
 
 
 def plot_pvi_rounds(datas, options):
-    (_n, d), = datas
+    ((_n, d),) = datas
     res = d["results"]
     ks = [r["K"] for r in res]
-    return Plot("clients K", "seconds per synchronous round",
-                [Series("vmap (one compiled round)", ks, [r["vmap"]["round_s"] for r in res]),
-                 Series("loop (Python loop over clients)", ks, [r["loop"]["round_s"] for r in res])],
-                logx=True, logy=True)
+    return Plot(
+        "clients K",
+        "seconds per synchronous round",
+        [
+            Series("vmap (one compiled round)", ks, [r["vmap"]["round_s"] for r in res]),
+            Series("loop (Python loop over clients)", ks, [r["loop"]["round_s"] for r in res]),
+        ],
+        logx=True,
+        logy=True,
+    )
 
 
 def plot_dp_pvi(datas, options):
-    (_n, d), = datas
+    ((_n, d),) = datas
     metric = options.get("metric", "test_log_lik")
     series: dict[str, Series] = {}
-    finite = [r["epsilon"] for r in d["rows"] if r["epsilon"] not in (None, "inf") and math.isfinite(float(r["epsilon"]))]
+    finite = [
+        r["epsilon"]
+        for r in d["rows"]
+        if r["epsilon"] not in (None, "inf") and math.isfinite(float(r["epsilon"]))
+    ]
     top = max(finite) * 2 if finite else 16.0
     for r in d["rows"]:
         eps = float(r["epsilon"]) if r["epsilon"] not in (None, "inf") else math.inf
         s = series.setdefault(r["variant"], Series(r["variant"], [], []))
         s.x.append(eps if math.isfinite(eps) else top)
         s.y.append(r[metric])
-    return Plot(f"epsilon (the last point: no noise, at {top:g})", metric.replace("_", " "),
-                list(series.values()), logx=True)
+    return Plot(
+        f"epsilon (the last point: no noise, at {top:g})",
+        metric.replace("_", " "),
+        list(series.values()),
+        logx=True,
+    )
 
 
 def plot_ep_vs_pvi(datas, options):
-    (_n, d), = datas
+    ((_n, d),) = datas
     seed = d["seeds"][int(options.get("seed", 0))]
     key = options.get("metric", "mean_err")
-    return Plot("round", f"worst {'mean' if key == 'mean_err' else 'sd'} error against pooled NUTS",
-                [Series(m, [r["round"] for r in v["rows"]], [r[key] for r in v["rows"]])
-                 for m, v in seed["methods"].items()], logy=True, hline=0.05)
+    return Plot(
+        "round",
+        f"worst {'mean' if key == 'mean_err' else 'sd'} error against pooled NUTS",
+        [
+            Series(m, [r["round"] for r in v["rows"]], [r[key] for r in v["rows"]])
+            for m, v in seed["methods"].items()
+        ],
+        logy=True,
+        hline=0.05,
+    )
 
 
 def plot_by_method(datas, options):
     """Generic: ``:x:`` against ``:y:`` of ``:rows:``, one line per ``:group:`` value."""
-    (_n, d), = datas
+    ((_n, d),) = datas
     groups: dict[str, Series] = {}
     for r in _where(_items(get(d, options.get("rows", "rows"))), options.get("where")):
         if get(r, options["y"]) is None:
@@ -644,19 +866,35 @@ def plot_by_method(datas, options):
         s = groups.setdefault(g, Series(g, [], []))
         s.x.append(float(get(r, options["x"])))
         s.y.append(float(get(r, options["y"])))
-    return Plot(options.get("xlabel", options["x"]), options.get("ylabel", options["y"]),
-                list(groups.values()), logx="x" in options.get("log", ""), logy="y" in options.get("log", ""))
+    return Plot(
+        options.get("xlabel", options["x"]),
+        options.get("ylabel", options["y"]),
+        list(groups.values()),
+        logx="x" in options.get("log", ""),
+        logy="y" in options.get("log", ""),
+    )
 
 
 def plot_polya_gamma(datas, options):
-    (_n, d), = datas
+    ((_n, d),) = datas
     series = []
     for r in d["results"]:
         y = _decode(r["max_abs_to_reference_per_round"])
-        series.append(Series(f"{r['method']}, {r['schedule']} ({fmt(r['damping'])})",
-                             list(range(1, len(y) + 1)), y))
-    return Plot("round", "max abs distance of the posterior mean from its reference", series,
-                logx=True, logy=True, hline=1e-3)
+        series.append(
+            Series(
+                f"{r['method']}, {r['schedule']} ({fmt(r['damping'])})",
+                list(range(1, len(y) + 1)),
+                y,
+            )
+        )
+    return Plot(
+        "round",
+        "max abs distance of the posterior mean from its reference",
+        series,
+        logx=True,
+        logy=True,
+        hline=1e-3,
+    )
 
 
 PLOTS: dict[str, Callable[[list[tuple[str, Any]], dict], Plot]] = {
@@ -701,7 +939,9 @@ def draw(plot: Plot, path: Path) -> None:
 
 # --- finding the directives of a page (for the test) --------------------------------------
 
-_DIRECTIVE = re.compile(r"^```\{(bench-table|bench-plot|bench-info)\}[ \t]*(.*)\n((?::[\w-]+:.*\n)*)", re.M)
+_DIRECTIVE = re.compile(
+    r"^```\{(bench-table|bench-plot|bench-info)\}[ \t]*(.*)\n((?::[\w-]+:.*\n)*)", re.M
+)
 
 
 def find_directives(text: str) -> list[tuple[str, list[str], dict]]:
@@ -770,8 +1010,20 @@ def _directives():
             return list(self.arguments)
 
     class BenchTable(_Base):
-        option_spec = {k: directives.unchanged for k in (
-            "renderer", "rows", "columns", "where", "digits", "key", "section", "tables", "caption")}
+        option_spec: ClassVar[dict] = {
+            k: directives.unchanged
+            for k in (
+                "renderer",
+                "rows",
+                "columns",
+                "where",
+                "digits",
+                "key",
+                "section",
+                "tables",
+                "caption",
+            )
+        }
 
         def run(self):
             files = self.files()
@@ -784,22 +1036,42 @@ def _directives():
             return [table_node(t) for t in tables]
 
     class BenchPlot(_Base):
-        option_spec = {k: directives.unchanged for k in (
-            "plotter", "rows", "x", "y", "group", "where", "log", "xlabel", "ylabel", "metric",
-            "seed", "alt", "caption")}
+        option_spec: ClassVar[dict] = {
+            k: directives.unchanged
+            for k in (
+                "plotter",
+                "rows",
+                "x",
+                "y",
+                "group",
+                "where",
+                "log",
+                "xlabel",
+                "ylabel",
+                "metric",
+                "seed",
+                "alt",
+                "caption",
+            )
+        }
 
         def run(self):
             files = self.files()
             opts = dict(self.options)
             try:
                 plot = plot_series(files, opts)
-                tag = re.sub(r"[^\w.-]+", "-", "_".join([opts["plotter"], opts.get("metric", ""),
-                                                          opts.get("y", ""), *files]))
+                tag = re.sub(
+                    r"[^\w.-]+",
+                    "-",
+                    "_".join([opts["plotter"], opts.get("metric", ""), opts.get("y", ""), *files]),
+                )
                 name = f"{tag[:120]}.png"
                 draw(plot, GENERATED / name)
             except Exception as exc:
                 raise self.error(f"bench-plot {files}: {type(exc).__name__}: {exc}") from exc
-            image = nodes.image(uri=f"/benchmarks/_generated/{name}", alt=opts.get("alt", opts.get("caption", "")))
+            image = nodes.image(
+                uri=f"/benchmarks/_generated/{name}", alt=opts.get("alt", opts.get("caption", ""))
+            )
             if opts.get("caption"):
                 figure = nodes.figure("", image)
                 figure += nodes.caption("", "", *inline(opts["caption"]))
@@ -808,7 +1080,7 @@ def _directives():
 
     class BenchInfo(_Base):
         has_content = True
-        option_spec = {"script": directives.unchanged}
+        option_spec: ClassVar[dict] = {"script": directives.unchanged}
 
         def run(self):
             files = self.files()
@@ -827,9 +1099,16 @@ def _directives():
                 secs = wall_seconds(data)
                 wall = ""
                 if secs is not None:
-                    wall = f" (wall time {secs / 60:.1f} min)" if secs >= 120 else f" (wall time {secs:.0f} s)"
-                add("Result file:", nodes.literal(f"benchmarks/results/{f}", f"benchmarks/results/{f}"),
-                    nodes.Text(wall + "; machine: " + machine_text(data)))
+                    wall = (
+                        f" (wall time {secs / 60:.1f} min)"
+                        if secs >= 120
+                        else f" (wall time {secs:.0f} s)"
+                    )
+                add(
+                    "Result file:",
+                    nodes.literal(f"benchmarks/results/{f}", f"benchmarks/results/{f}"),
+                    nodes.Text(wall + "; machine: " + machine_text(data)),
+                )
             commands = list(self.content) if self.content else []
             if not commands and self.options.get("script"):
                 commands = script_commands(self.options["script"])

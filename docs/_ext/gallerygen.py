@@ -113,7 +113,8 @@ def generate(srcdir: Path, write) -> None:
         # check refuses it, and the page shows the refusal
         subsamples = "subsample_size" in _model_source(entry)
         check_tags = ":tags: [raises-exception]\n" if subsamples else ""
-        page = MODEL_PAGE.format(check_tags=check_tags,title=name.replace("_", " ").capitalize(), name=name,
+        page = MODEL_PAGE.format(check_tags=check_tags, name=name,
+                                 title=name.replace("_", " ").capitalize(),
                                  description=entry.description, source=_model_source(entry),
                                  family=entry.family, local_note=local)
         write(srcdir / "gallery" / "models" / f"{name}.md", page)
