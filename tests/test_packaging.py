@@ -37,7 +37,8 @@ DIST = "fedppl"
 FIRST_PARTY_PACKAGES = ("fedppl", "fedppl_experiments")
 LICENSE = "Apache-2.0"
 URL_LABELS = ("Homepage", "Repository", "Documentation", "Issues")
-DEV_EXTRA = "dev"
+# extras of tools, not of the library: the test tools, and the documentation build
+TOOL_EXTRAS = ("dev", "docs")
 
 
 def _pyproject() -> dict:
@@ -65,11 +66,11 @@ def _requirements(extras: list[str] | None = None) -> list[Requirement]:
 
 
 def _runtime_distributions() -> set[str]:
-    """Distributions library code may import: core dependencies and every extra except dev."""
+    """Distributions library code may import: core dependencies and every extra but the tools'."""
     project = _pyproject()["project"]
     names = [Requirement(r).name for r in project.get("dependencies", [])]
     for extra, reqs in project.get("optional-dependencies", {}).items():
-        if extra != DEV_EXTRA:
+        if extra not in TOOL_EXTRAS:
             names += [Requirement(r).name for r in reqs]
     return {canonicalize_name(n) for n in names}
 
