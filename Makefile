@@ -51,7 +51,14 @@ test: $(STAMP)
 # only; about a third less CPU), as DOCS_XLA_FLAGS.
 DOCS_JOBS ?= 2
 DOCS_XLA_FLAGS ?= $(TEST_XLA_FLAGS)
-docs: $(STAMP)
+# MathJax 3 from the npm registry, served by the site itself (it renders offline); without npm
+# the pages load it from MathJax's CDN
+MATHJAX := docs/_build/mathjax/node_modules/mathjax/es5/tex-mml-chtml.js
+$(MATHJAX):
+	command -v npm > /dev/null && npm install --silent --no-audit --no-fund \
+		--prefix docs/_build/mathjax mathjax@3.2.2 || echo "make docs: no npm, MathJax from its CDN"
+
+docs: $(STAMP) $(MATHJAX)
 	@test -x /usr/bin/chromium || { echo "make docs: the browser test needs /usr/bin/chromium" \
 		"(Debian: apt-get install chromium)"; exit 1; }
 	OPENBLAS_NUM_THREADS=1 XLA_FLAGS="$(DOCS_XLA_FLAGS)" $(BIN)/sphinx-build -W --keep-going -E \

@@ -10,6 +10,7 @@ CI, executes everything). Benchmark tables and plots are generated from
 from __future__ import annotations
 
 import os
+import shutil
 import sys
 from pathlib import Path
 
@@ -82,6 +83,17 @@ html_theme = "pydata_sphinx_theme"
 html_title = "fedppl"
 html_static_path = ["_static"]
 html_css_files = ["fedppl.css"]
+# MathJax served by the site (make docs installs it from the npm registry): its one-file
+# TeX/MathML build and the fonts it loads from beside itself; else MathJax's CDN (the default)
+MATHJAX = DOCS / "_build" / "mathjax" / "node_modules" / "mathjax" / "es5"
+if (MATHJAX / "tex-mml-chtml.js").exists():
+    _served = DOCS / "_build" / "mathjax_static"
+    _fonts = Path("output", "chtml", "fonts", "woff-v2")
+    shutil.rmtree(_served, ignore_errors=True)
+    shutil.copytree(MATHJAX / _fonts, _served / "mathjax" / _fonts)
+    shutil.copy(MATHJAX / "tex-mml-chtml.js", _served / "mathjax")
+    html_static_path.append(str(_served))
+    mathjax_path = "mathjax/tex-mml-chtml.js"
 html_theme_options = {
     "navbar_align": "left",
     "show_toc_level": 2,

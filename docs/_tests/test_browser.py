@@ -120,6 +120,9 @@ def test_page_renders_with_its_images_and_links(name, server, browser):
     local_failures = [u for u in failed if u.startswith(server)]
     assert not local_failures, f"requests to the site that failed: {local_failures}"
     assert not errors, f"JavaScript errors: {errors}"
+    if name == "guide" and (SITE / "_static" / "mathjax" / "tex-mml-chtml.js").exists():
+        # the site serves MathJax itself: the page's formulas were typeset, offline
+        assert page.locator("mjx-container").count() > 0, "MathJax typeset no formula"
     SHOTS.mkdir(exist_ok=True)
     page.evaluate("window.scrollTo(0, 0)")
     page.screenshot(path=str(SHOTS / f"{name}.png"), full_page=True)
