@@ -1,4 +1,5 @@
-"""The benchmark pages' tables and plots (``docs/_ext/benchpages.py``) fit their result files.
+"""The benchmark pages' tables and plots (``docs/_ext/benchdata.py``, ``benchrenderers.py``) fit
+their result files.
 
 No Sphinx build: every ``bench-table``, ``bench-plot`` and ``bench-info`` directive of
 ``docs/benchmarks/*.md`` is found in the page's text, its result files must exist, and its
@@ -8,7 +9,6 @@ script with result files has its page.
 
 from __future__ import annotations
 
-import importlib.util
 import sys
 from pathlib import Path
 
@@ -16,23 +16,15 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 PAGES = ROOT / "docs" / "benchmarks"
+sys.path.insert(0, str(ROOT / "docs" / "_ext"))  # the site's extension modules
 
+import benchdata as bd  # noqa: E402
+import benchrenderers as br  # noqa: E402
 
-def _module():
-    spec = importlib.util.spec_from_file_location(
-        "benchpages", ROOT / "docs" / "_ext" / "benchpages.py"
-    )
-    mod = importlib.util.module_from_spec(spec)
-    sys.modules.setdefault("benchpages", mod)  # dataclasses look their module up
-    spec.loader.exec_module(mod)
-    return mod
-
-
-bp = _module()
 DIRECTIVES = [
     (page.name, *d)
     for page in sorted(PAGES.glob("*.md"))
-    for d in bp.find_directives(page.read_text())
+    for d in bd.find_directives(page.read_text())
 ]
 
 
@@ -49,16 +41,16 @@ def test_pages_have_directives():
 def test_directive(page, name, files, options):
     assert files, f"{page}: {name} names no result file"
     for f in files:
-        assert bp.result_path(f).is_file(), f"{page}: no benchmarks/results/{f}"
+        assert bd.result_path(f).is_file(), f"{page}: no benchmarks/results/{f}"
     if name == "bench-table":
-        tables = bp.render(files, options)
+        tables = br.render(files, options)
         assert tables and all(t.header and t.rows for t in tables), (
             f"{page}: empty table from {files}"
         )
         for t in tables:
             assert all(any(c not in ("", "-") for c in row) for row in t.rows)
     elif name == "bench-plot":
-        plot = bp.plot_series(files, options)
+        plot = br.plot_series(files, options)
         assert plot.series and all(s.x and len(s.x) == len(s.y) for s in plot.series)
         for s in plot.series:
             assert all(isinstance(v, (int, float)) for v in [*s.x, *s.y]), (
@@ -66,9 +58,9 @@ def test_directive(page, name, files, options):
             )
     else:
         for f in files:
-            assert bp.machine_text(bp.load(f))
+            assert bd.machine_text(bd.load(f))
         if options.get("script"):
-            assert bp.script_commands(options["script"]), (
+            assert bd.script_commands(options["script"]), (
                 f"{page}: no command in {options['script']}.py"
             )
 
@@ -93,7 +85,7 @@ def test_every_result_file_is_on_a_page():
 
 
 def test_markdown_tables_parse():
-    tables = bp.parse_markdown_tables(
+    tables = bd.parse_markdown_tables(
         "### a\n\n| x | y |\n|---|---:|\n| 1 | 2 |\n\n| z |\n|---|\n| 3 |\n"
     )
     assert [(t.title, t.header, t.rows) for t in tables] == [
