@@ -53,15 +53,7 @@ myst_heading_anchors = 3
 # the tutorials are jupytext percent scripts; myst-nb reads them through jupytext
 nb_custom_formats = {".py": ["jupytext.reads", {"fmt": "py:percent"}]}
 nb_execution_mode = os.environ.get("FEDPPL_DOCS_EXECUTE", "cache")  # "force" re-runs all
-# FEDPPL_DOCS_CACHE: another cache folder (one per concurrent build); FEDPPL_DOCS_NO_EXECUTE:
-# comma-separated page patterns not executed (a quick local build; CI sets neither)
-nb_execution_cache_path = os.environ.get("FEDPPL_DOCS_CACHE",
-                                         str(DOCS / "_build" / ".jupyter_cache"))
-# (myst-nb matches with PurePath.match, whose "**" spans one folder: "guide/**" is expanded)
-nb_execution_excludepatterns = [
-    p.replace("**", "/".join(["*"] * depth))
-    for p in os.environ.get("FEDPPL_DOCS_NO_EXECUTE", "").split(",") if p
-    for depth in ((1, 2, 3) if "**" in p else (1,))]
+nb_execution_cache_path = str(DOCS / "_build" / ".jupyter_cache")
 nb_execution_in_temp = True  # figures the examples save land in a scratch directory
 nb_execution_timeout = 900
 nb_execution_raise_on_error = True  # an example that fails fails the build

@@ -15,8 +15,9 @@ result rebuilds the page):
 
 ``bench-table``
     One or more tables from one or more result files (names relative to
-    ``benchmarks/results/``). ``:renderer:`` picks the renderer (:data:`benchrenderers.RENDERERS`); the
-    generic ``rows`` renderer takes ``:rows:`` (a dotted path to a list or dict in the JSON),
+    ``benchmarks/results/``). ``:renderer:`` picks the renderer
+    (:data:`benchrenderers.RENDERERS`); the generic ``rows`` renderer takes ``:rows:`` (a dotted
+    path to a list or dict in the JSON),
     ``:columns:`` (comma-separated ``path=Label|format``; ``a±b`` for "a ± b"), ``:where:``
     (``path=value`` filters, comma-separated) and ``:digits:`` (significant digits)::
 

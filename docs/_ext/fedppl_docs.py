@@ -18,15 +18,8 @@ import benchpages
 import gallerygen
 
 
-def write_if_changed(path: Path, text: str) -> None:
-    """Write ``text`` to ``path`` unless the file already holds exactly that text."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    if not path.exists() or path.read_text() != text:
-        path.write_text(text)
-
-
 def _generate(app, config) -> None:
-    gallerygen.generate(Path(app.srcdir), write_if_changed)
+    gallerygen.generate(Path(app.srcdir))
 
 
 def setup(app):

@@ -97,7 +97,15 @@ def _model_source(entry) -> str:
     return inspect.getsource(entry.model).rstrip()
 
 
-def generate(srcdir: Path, write) -> None:
+def write(path: Path, text: str) -> None:
+    """Write ``text`` to ``path`` unless the file already holds exactly that text (an unchanged
+    page keeps its cached execution and is not re-read)."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    if not path.exists() or path.read_text() != text:
+        path.write_text(text)
+
+
+def generate(srcdir: Path) -> None:
     """Copy the tutorials into ``gallery/tutorials``; write ``gallery/models/<name>.md``."""
     for script in sorted((ROOT / "tutorials").glob("*.py")):
         write(srcdir / "gallery" / "tutorials" / script.name, script.read_text())
