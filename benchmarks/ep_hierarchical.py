@@ -154,7 +154,10 @@ def merges(clients, num_warmup, num_samples, num_chains, seed, ref_mean, ref_sd)
                           num_warmup=num_warmup, num_samples=num_samples, num_chains=num_chains,
                           max_rhat=float("inf"))
     t0 = time.perf_counter()
-    res = shot.run(jax.random.key(seed), clients, n_groups=n_groups())
+    try:
+        res = shot.run(jax.random.key(seed), clients, n_groups=n_groups())
+    except RuntimeError as e:  # most subposteriors did not mix: OneShot refuses to merge them
+        return {"refused": {"message": str(e), "seconds": time.perf_counter() - t0}}
     seconds = time.perf_counter() - t0
     rhat = float(np.nanmax(res.history["rhat"]))
     sites = jax.tree_util.tree_map(lambda x: x.sum(0), res.factors)
@@ -179,8 +182,11 @@ def main() -> None:
     ap.add_argument("--damping", default="decaying",
                     help="EP's damping: 'decaying' (fedppl's default, ep-stan's schedule: 0.5 "
                          "towards min(1/K, 0.2) = 0.04) or a number in (0, 1]")
-    ap.add_argument("--estimator", default="sample", choices=("sample", "stein"),
-                    help="EP's tilted-moment estimator")
+    ap.add_argument("--estimator", default="stein", choices=("sample", "stein"),
+                    help="EP's tilted-moment estimator (fedppl's default: stein)")
+    ap.add_argument("--extensions", type=int, default=2,
+                    help="EP: extra sampler stages for a client whose chains did not mix "
+                         "(fedppl's default 2)")
     ap.add_argument("--max-rhat", type=float, default=1.05,
                     help="EP: a client whose tilted r-hat exceeds this skips its update "
                          "(fedppl's default 1.05; inf: every client updates)")
@@ -245,7 +251,7 @@ def main() -> None:
         method = fedppl.EP(model, fedppl.PVIGuide(model, GLOBAL, family="fullrank"),
                            num_warmup=args.num_warmup, num_samples=args.num_samples,
                            num_chains=args.num_chains, max_rhat=args.max_rhat,
-                           estimator=args.estimator,
+                           estimator=args.estimator, extensions=args.extensions,
                            damping=(args.damping if args.damping == "decaying"
                                     else float(args.damping)))
         start = None
@@ -288,17 +294,23 @@ def table(run: dict, args) -> None:
           f"per client, damping {args.damping}, max r-hat {args.max_rhat}; "
           f"pooled NUTS 4 x {args.ref_samples} "
           f"({run['pooled_nuts_seconds']:.0f} s)")
-    print("| method | round | worst mean err (sd) | worst sd err | s/round (median, excl. 1st) |")
-    print("|---|---|---|---|---|")
+    print("| method | round | worst mean err (sd) | worst sd err | s/round (median, excl. 1st) "
+          "| updates applied | clients extended |")
+    print("|---|---|---|---|---|---|---|")
     for name, rows in run["methods"].items():
         secs = np.median([r["seconds"] for r in rows[1:]]) if len(rows) > 1 else float("nan")
         first_ok = next((r["round"] for r in rows if r["mean_err"] <= 0.1
                          and r["sd_err"] <= 0.1), None)
         for row in [r for r in rows if r["round"] in (1, 2, 5, 10, 15) or r is rows[-1]]:
+            applied = (f"{row['clients_mixed']}/{row['clients_active']}"
+                       if "clients_active" in row else "")
             print(f"| {name} | {row['round']} | {row['mean_err']:.3f} | {row['sd_err']:.3f} | "
-                  f"{secs:.2f} |")
-        print(f"| {name}: first round within 0.1 / 10% | {first_ok} | | | |")
+                  f"{secs:.2f} | {applied} | {row.get('clients_extended', '')} |")
+        print(f"| {name}: first round within 0.1 / 10% | {first_ok} | | | | | |")
     for name, m in run["merges"].items():
+        if name == "refused":
+            print(f"| one-shot merges: refused ({m['seconds']:.0f} s) | | | | |\n{m['message']}")
+            continue
         print(f"| {name} (one shot; {args.num_chains} x {args.merge_samples}) | - | "
               f"{m['mean_err']:.3f} | {m['sd_err']:.3f} | {m['seconds']:.1f} (total) |")
 

@@ -126,13 +126,20 @@ def curve(method, clients, rounds: int, seed: int, ref_mean, ref_sd, keep: int =
             rhat = np.asarray(info["rhat"], float)
             row.update(rhat=float(np.nanmax(rhat)), rhat_median=float(np.nanmedian(rhat)),
                        clients_mixed=int(np.nansum(info["converged"])),
+                       clients_active=int(np.sum(np.isfinite(np.asarray(info["converged"],
+                                                                         float)))),
                        ess=float(np.nanmin(info["ess"])),
                        mc_error=float(np.nanmax(info["mc_error"])), damping=info["damping"])
+            if "extensions" in info:  # clients whose chains were run on, and the most stages
+                ext = np.asarray(info["extensions"], float)
+                row.update(clients_extended=int(np.nansum(ext > 0)),
+                           extensions_max=float(np.nanmax(ext)))
         rows.append(row)
         qs.append(state.server.q)
         if name:
             extra = "".join(f" {k} {row[k]:.3g}" for k in ("rhat", "rhat_median", "ess",
-                                                              "clients_mixed") if k in row)
+                                                              "clients_mixed", "clients_extended")
+                            if k in row)
             print(f"  {name} round {row['round']}: mean err {me:.3f}, sd err {se:.3f}, "
                   f"{row['seconds']:.1f} s, rejected {row['rejected']}{extra}", flush=True)
     if test is not None:
@@ -226,7 +233,10 @@ def main() -> None:
                     num_chains=args.num_chains)
         fronts = {"EP": (fedppl.EP(model, guide, **nuts), None),  # ep-stan's decaying damping
                   "EP from Laplace": (fedppl.EP(model, guide, **nuts), sites),
-                  "EP stein": (fedppl.EP(model, guide, estimator="stein", **nuts), None)}
+                  "EP stein": (fedppl.EP(model, guide, estimator="stein", **nuts), None),
+                  "EP sample": (fedppl.EP(model, guide, estimator="sample", **nuts), None),
+                  # what a user gets: no settings at all (the NUTS settings above not applied)
+                  "EP defaults": (fedppl.EP(model, guide), None)}
         if not args.no_pvi:
             full = fedppl.PVI(model, fedppl.PVIGuide(model, family="fullrank"), "synchronous",
                               0.5, elbo_samples=0)

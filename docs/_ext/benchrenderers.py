@@ -122,16 +122,37 @@ def render_ep_hierarchical(datas, options):
                     ]
                 )
             for method, m in (seed.get("merges") or {}).items():
+                refused = method == "refused"  # OneShot refused to merge unmixed chains
                 rows.append(
                     [
                         name,
-                        f"{method} one-shot",
+                        "one-shot merges" if refused else f"{method} one-shot",
                         "-",
-                        fmt(m.get("mean_err"), ".2f"),
-                        fmt(m.get("sd_err"), ".2f"),
+                        "refused" if refused else fmt(m.get("mean_err"), ".2f"),
+                        "refused" if refused else fmt(m.get("sd_err"), ".2f"),
                         fmt(m.get("seconds"), ".3g"),
                     ]
                 )
+    return [Table(options.get("caption"), header, rows)]
+
+
+def render_ep_rounds(datas, options):
+    """EP round by round: errors against pooled NUTS, the clients whose updates were applied
+    (their chains mixed), the clients whose chains were extended, seconds."""
+    header = ["result file", "method", "round", "worst mean error (sd)", "worst sd error",
+              "updates applied", "clients extended", "seconds"]
+    rows = []
+    for name, data in datas:
+        for seed in data["seeds"]:
+            for method, runs in seed["methods"].items():
+                runs = runs if isinstance(runs, list) else runs.get("rows", [])
+                for r in runs:
+                    if "clients_active" not in r:
+                        continue
+                    rows.append([name, method, str(r["round"]), fmt(r["mean_err"], ".2f"),
+                                 fmt(r["sd_err"], ".2f"),
+                                 f"{r['clients_mixed']} / {r['clients_active']}",
+                                 fmt(r.get("clients_extended")), fmt(r["seconds"], ".3g")])
     return [Table(options.get("caption"), header, rows)]
 
 
@@ -453,6 +474,7 @@ RENDERERS: dict[str, Callable[[list[tuple[str, Any]], dict], list[Table]]] = {
     "ep_vs_pvi": render_ep_vs_pvi,
     "ep_hierarchical": render_ep_hierarchical,
     "ep_sd_ratio": render_ep_sd_ratio,
+    "ep_rounds": render_ep_rounds,
     "check_refine": render_check_refine,
     "check_refine_rounds": render_check_refine_rounds,
     "model_gallery": render_model_gallery,

@@ -106,6 +106,7 @@ class TiltedMoments(NamedTuple):
     num_draws: Array
     local: g.Conditional | None = None  # q(z_k | theta) from the joint draws (local sites)
     draws: Array | None = None  # the global draws (n, D), for a merge of draws (consensus)
+    extensions: Array | int = 0  # the sampler's extra stages (TiltedNUTS; 0 for the rest)
 
 
 class EPMessage(NamedTuple):
@@ -123,6 +124,7 @@ class EPMessage(NamedTuple):
     ess: Array
     mc_error: Array
     draws: Array | None = None  # the tilted draws (n, D): only a consensus merge sends them
+    extensions: Array | int = 0  # extra sampler stages the client's chains took to mix
 
 
 class TiltedSolver(Protocol):
@@ -356,6 +358,7 @@ class TiltedNUTS(NamedTuple):
     prior_share: Callable[[Array], Array] | None = None
     keep_draws: bool = False
     estimator: str = "sample"
+    extensions: int = 0
 
     def log_factor(self, data: tuple, mask: Array, alpha: float = 1.0
                    ) -> Callable[[Array], Array]:
@@ -363,12 +366,20 @@ class TiltedNUTS(NamedTuple):
 
     def draws(self, cavity: g.Gaussian, q: g.Gaussian, data: tuple, mask: Array,
               rng_key: Array, alpha: float = 1.0, local: g.Conditional | None = None,
-              log_f: Callable[[Array], Array] | None = None) -> Array:
+              log_f: Callable[[Array], Array] | None = None) -> tuple[Array, Array]:
         """The tilted draws of the global and local coordinates, ``(num_chains, num_samples,
-        D + d)``. With ``local`` (the client's ``q(z_k | theta)``, fitted to its last round's
-        joint draws) the chains start at draws of ``q(theta) q(z_k | theta)`` with its
-        covariance as the inverse mass matrix: the previous round's adaptation, carried over.
-        ``log_f``: the client's :func:`log_factor`, if the caller has built it already."""
+        D + d)``, and the number of extensions they took. With ``local`` (the client's
+        ``q(z_k | theta)``, fitted to its last round's joint draws) the chains start at draws of
+        ``q(theta) q(z_k | theta)`` with its covariance as the inverse mass matrix: the previous
+        round's adaptation, carried over. ``log_f``: the client's :func:`log_factor`, if the
+        caller has built it already.
+
+        A stage is ``num_warmup`` steps of adaptation and ``num_samples`` draws per chain. While
+        the largest split r-hat of a stage's global draws is at or above ``max_rhat``, and at
+        most ``extensions`` times, every chain runs another stage from where it stopped, its
+        warm-up starting at the step size and mass matrix it had adapted; the last stage's
+        draws are returned. (Under ``vmap`` over clients, the clients that mixed wait for the
+        rest: their draws are kept, not extended.)"""
         layout = self.guide.layout_or_raise()
         D = layout.dim
         d = 0 if self.guide.local_layout is None else self.guide.local_layout.dim
@@ -391,9 +402,9 @@ class TiltedNUTS(NamedTuple):
                 [start, jax.random.normal(k_local, (self.num_chains, d), dtype)], axis=1)
         init_kernel, sample_kernel = hmc(potential_fn=potential, algo="NUTS")
 
-        def chain(x0, key):
-            state = init_kernel(x0, self.num_warmup, inverse_mass_matrix=inv_mass,
-                                dense_mass=self.dense_mass,
+        def chain(x0, step_size, mass, key):  # one stage: warm-up, then num_samples draws
+            state = init_kernel(x0, self.num_warmup, step_size=step_size,
+                                inverse_mass_matrix=mass, dense_mass=self.dense_mass,
                                 target_accept_prob=self.target_accept_prob,
                                 max_tree_depth=self.max_tree_depth, rng_key=key)
 
@@ -401,20 +412,38 @@ class TiltedNUTS(NamedTuple):
                 s = sample_kernel(s)
                 return s, s.z
 
-            zs = jax.lax.scan(step, state, None, length=self.num_warmup + self.num_samples)[1]
-            return zs[self.num_warmup:]
+            end, zs = jax.lax.scan(step, state, None, length=self.num_warmup + self.num_samples)
+            return zs[self.num_warmup:], end.adapt_state.step_size, \
+                end.adapt_state.inverse_mass_matrix
 
-        keys = jax.random.split(k_run, self.num_chains)
-        if self.chain_method == "vectorized":
-            return jax.vmap(chain)(start, keys)
-        # one chain after another: a third of the tracing and compiling time on CPU
-        return jax.lax.map(lambda a: chain(*a), (start, keys))
+        def stage(carry):  # every chain through one stage, from where the last one ended
+            draws, step_size, mass, _, n, key = carry
+            key, sub = jax.random.split(key)
+            keys = jax.random.split(sub, self.num_chains)
+            x0 = draws[:, -1]
+            if self.chain_method == "vectorized":
+                out = jax.vmap(chain)(x0, step_size, mass, keys)
+            else:  # one chain after another: a third of the tracing and compiling time on CPU
+                out = jax.lax.map(lambda a: chain(*a), (x0, step_size, mass, keys))
+            zs = out[0]
+            return zs, out[1], out[2], jnp.max(split_rhat(zs[..., :D])), n + 1, key
+
+        def unmixed(carry):  # the first stage always; then while r-hat fails, up to the budget
+            rhat, n = carry[3], carry[4]
+            return (n == 0) | ((rhat >= self.max_rhat) & (n <= self.extensions))
+
+        C, P = self.num_chains, start.shape[1]
+        draws0 = jnp.zeros((C, self.num_samples, P), dtype).at[:, -1].set(start)
+        carry = (draws0, jnp.ones((C,), dtype), jnp.broadcast_to(inv_mass, (C, *inv_mass.shape)),
+                 jnp.asarray(jnp.inf, dtype), jnp.asarray(0), k_run)
+        zs, _, _, _, stages, _ = jax.lax.while_loop(unmixed, stage, carry)
+        return zs, stages - 1
 
     def moments(self, cavity: g.Gaussian, q: g.Gaussian, data: tuple, mask: Array,
                 rng_key: Array, alpha: float = 1.0, local: g.Conditional | None = None
                 ) -> TiltedMoments:
         log_f = self.log_factor(data, mask, alpha)
-        joint = self.draws(cavity, q, data, mask, rng_key, alpha, local, log_f)
+        joint, extended = self.draws(cavity, q, data, mask, rng_key, alpha, local, log_f)
         D = self.guide.layout_or_raise().dim
         draws = joint[..., :D]
         ess = effective_sample_size(draws)
@@ -433,7 +462,7 @@ class TiltedNUTS(NamedTuple):
                  local_conditional(joint.reshape(n, -1), D))
         return TiltedMoments(tilted, jnp.max(split_rhat(draws)), jnp.min(ess), mc_error,
                              jnp.asarray(n), local,
-                             draws.reshape(n, D) if self.keep_draws else None)
+                             draws.reshape(n, D) if self.keep_draws else None, extended)
 
     def __call__(self, q_cavity, q, data, mask, rng_key) -> LocalResult:
         m = self.moments(q_cavity, q, data, mask, rng_key)
@@ -488,7 +517,8 @@ def client_update(q: g.Gaussian, state: pvi.ClientState, data: tuple, mask: Arra
     new = keep(g.damp(state.factor, site, damping), state.factor)
     local = state.local if m.local is None or state.local is None else keep(m.local, state.local)
     msg = EPMessage(g.quotient(new, state.factor), jnp.full((), jnp.nan, m.rhat.dtype), repaired,
-                    mixed, m.num_draws, m.rhat, m.ess, m.mc_error, m.draws)
+                    mixed, m.num_draws, m.rhat, m.ess, m.mc_error, m.draws,
+                    jnp.asarray(m.extensions))
     return msg, state._replace(factor=new, local=local)
 
 

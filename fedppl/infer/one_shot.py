@@ -25,6 +25,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass, fields
+from functools import partial
 from typing import Any, ClassVar, cast
 
 import numpy as np
@@ -48,7 +49,9 @@ from fedppl.infer.pvi_plan import (
 )
 from fedppl.infer.pvi_result import PVIResult
 
-__all__ = ["OneShot", "OneShotResult"]
+__all__ = ["OneShot", "OneShotResult", "MIXED_RHAT"]
+
+MIXED_RHAT = 1.1  # a subposterior's chains mixed below this split r-hat (whatever max_rhat)
 
 
 @dataclass(kw_only=True)
@@ -69,9 +72,14 @@ class OneShot(FederatedMethod):
         unconstrained space is split over the clients as EP splits it).
     :param method: ``"laplace"`` (mode and Hessian), ``"parametric"`` (moments of NUTS draws,
         multiplied) or ``"consensus"`` (the same draws, sent and merged by consensus Monte Carlo).
-    :param num_warmup, num_samples, num_chains, dense_mass, max_rhat, chain_method: the NUTS of
-        the sampled methods, as for :class:`fedppl.EP` (a client whose chains do not mix sends
-        nothing: its data are then missing from ``q``, and the log names it).
+    :param num_warmup, num_samples, num_chains, dense_mass, max_rhat, extensions, chain_method:
+        the NUTS of the sampled methods, as for :class:`fedppl.EP` (a client whose chains do
+        not mix within its extensions sends nothing: its data are then missing from ``q``, and
+        the log names it). When most clients' chains did not mix (split r-hat at or above
+        ``max_rhat``, or at or above :data:`MIXED_RHAT` where ``max_rhat`` is higher), the run
+        raises a ``RuntimeError`` naming them instead of merging: a product or consensus of
+        chains stuck in different places is far narrower than the posterior, and nothing in
+        it says so.
     :param laplace_steps: L-BFGS steps to the subposterior's mode.
     """
 
@@ -83,7 +91,7 @@ class OneShot(FederatedMethod):
 
     def __init__(self, model: Callable, guide: PVIGuide, method: str = "laplace", *,
                  num_warmup: int = 300, num_samples: int = 500, num_chains: int = 4,
-                 dense_mass: bool = True, max_rhat: float = 1.05,
+                 dense_mass: bool = True, max_rhat: float = 1.05, extensions: int = 2,
                  chain_method: str = "sequential", laplace_steps: int = 200,
                  max_divergence: float = pvi.MAX_DIVERGENCE):
         if method not in one_shot.METHODS:
@@ -93,12 +101,13 @@ class OneShot(FederatedMethod):
         # EP's checks of the sampler's settings (the same errors)
         self._ep = EP(model, guide, "synchronous", 1.0, num_warmup=num_warmup,
                       num_samples=num_samples, num_chains=num_chains, dense_mass=dense_mass,
-                      max_rhat=max_rhat, chain_method=chain_method,
+                      max_rhat=max_rhat, extensions=extensions, chain_method=chain_method,
                       max_divergence=max_divergence)
         self.model, self.guide = self._ep.model, guide
         self.num_warmup, self.num_samples = self._ep.num_warmup, self._ep.num_samples
         self.num_chains, self.dense_mass = self._ep.num_chains, self._ep.dense_mass
         self.max_rhat, self.chain_method = self._ep.max_rhat, chain_method
+        self.extensions = self._ep.extensions
         self.max_divergence = self._ep.max_divergence
         self.elbo_samples, self.shrink_warning = 0, self._ep.shrink_warning
         self.method, self.laplace_steps = method, int(laplace_steps)
@@ -112,7 +121,7 @@ class OneShot(FederatedMethod):
         return ep.TiltedNUTS(model, guide, self.num_warmup, self.num_samples, self.num_chains,
                              self.dense_mass, max_rhat=self.max_rhat,
                              chain_method=self.chain_method, prior_share=share,
-                             keep_draws=self.method == "consensus")
+                             keep_draws=self.method == "consensus", extensions=self.extensions)
 
     def _plan(self, rng_key: Array, clients: Clients, *, data_at_server: bool = True,
               factors: g.Gaussian | None = None, resume: PVIResult | None = None,
@@ -126,7 +135,8 @@ class OneShot(FederatedMethod):
         server, cstates = initial_states(guide, K, None, None, False)
         trio = shared(_one_shot_trio, solver, guide, K, self.max_divergence)
         static = ep_static(self, guide, model, solver, clients, rho=1.0, one_shot=self.method)
-        return Plan(trio, self.schedule, server, cstates, _record, _result, log=start_log(K),
+        record = partial(_record, min(self.max_rhat, MIXED_RHAT), self.method)
+        return Plan(trio, self.schedule, server, cstates, record, _result, log=start_log(K),
                     rng_key=rng_key, static=static)
 
     def _message_bytes(self, msgs) -> int:
@@ -161,9 +171,33 @@ def _one_shot_trio(solver: ep.TiltedSolver, guide: PVIGuide, num_clients: int,
                               max_divergence=max_divergence)
 
 
-def _record(before: RunState, after: RunState, msgs: Any, steps: Array, active: np.ndarray,
-            rng_key: Array) -> tuple[Any, dict[str, Any]]:
-    """EP's history row; a consensus merge's draws (the server's) kept in the log."""
+def check_mixed(rhat: np.ndarray, names: list[str], limit: float, method: str) -> None:
+    """Refuse a merge in which most clients' subposterior chains did not mix (split r-hat at or
+    above ``limit``; NaN, a closed form, counts as mixed), naming them."""
+    rhat = np.asarray(rhat, float)
+    bad = np.nonzero(rhat >= limit)[0]
+    if len(bad) * 2 > len(rhat):
+        listed = ", ".join(f"{names[k]} ({rhat[k]:.3g})" for k in bad[:10])
+        more = f" and {len(bad) - 10} more" if len(bad) > 10 else ""
+        raise RuntimeError(
+            f"OneShot({method!r}): the chains of {len(bad)} of {len(rhat)} clients did not mix "
+            f"(split r-hat at or above {limit:.3g}: {listed}{more}), so their subposterior "
+            "moments are those of chains stuck apart and a merge of them would be far narrower "
+            "than the posterior. Raise num_warmup and num_samples (or extensions), "
+            "reparametrise the model (non-centred group effects), or use an iterative method "
+            "that samples near the posterior: fedppl.EP, from PVI's factors if its first "
+            "rounds do not mix, or fedppl.PVI")
+
+
+def _record(limit: float, method: str, before: RunState, after: RunState, msgs: Any,
+            steps: Array, active: np.ndarray, rng_key: Array) -> tuple[Any, dict[str, Any]]:
+    """EP's history row; a consensus merge's draws (the server's) kept in the log. Refused
+    (:func:`check_mixed`) when most subposteriors did not mix."""
+    if method != "laplace":
+        assert after.plan is not None  # a started run's state
+        check_mixed(np.asarray(msgs.rhat)[np.asarray(active, bool)],
+                    [n for n, a in zip(after.plan.names, np.asarray(active), strict=True) if a],
+                    limit, method)
     log, row = ep_record(before, after, msgs, steps, active, rng_key)
     assert after.plan is not None  # a started run's state
     if after.plan.static.one_shot == "consensus":  # the server's merge of the clients' draws

@@ -81,7 +81,8 @@ def test_nuts_matches_exact_posterior(linear):
     # to first order q's mean errs by the sum of the clients' tilted-mean errors: its s.e. is
     # sd * sqrt(sum_k 1 / ESS_k) (ESS_k the client's smallest over coordinates: conservative)
     res = fedppl.EP(linear_regression, _guide(), damping=1.0, num_warmup=150, num_samples=300,
-                    num_chains=2).run(jax.random.key(3), clients, 2, progress_bar=False)
+                    num_chains=2, estimator="sample").run(jax.random.key(3), clients, 2,
+                                                          progress_bar=False)
     m, c = res.mean_and_cov()
     ess = res.history["ess"][-1]
     se = np.sqrt(np.diag(cov)) * np.sqrt(np.sum(1.0 / ess))
@@ -131,7 +132,8 @@ def test_logistic_close_to_posterior():
     ({"damping": "fast"}, "damping"),
     ({"num_samples": 0}, "num_samples"), ({"num_chains": 1.5}, "num_chains"),
     ({"tilted": "laplace"}, "tilted"), ({"schedule": "async"}, "schedule"),
-    ({"max_rhat": 1.0}, "max_rhat")])
+    ({"max_rhat": 1.0}, "max_rhat"), ({"extensions": -1}, "extensions"),
+    ({"extensions": 1.5}, "extensions")])
 def test_bad_settings(kwargs, match):
     with pytest.raises(ValueError, match=match):
         fedppl.EP(linear_regression, _guide(), **kwargs)
@@ -168,6 +170,50 @@ def test_unmixed_client_skips_its_update(linear):
     np.testing.assert_array_equal(res.q.prec, prior.prec)
     assert np.all(res.history["converged"] == 0) and np.all(res.history["rhat"] > 1.0)
     assert len(res.unconverged) == 2 * 3 and res.rejected == []
+
+
+def _far_start(linear, extensions, max_rhat=1.05):
+    """Client 0's tilted moments at the prior cavity with chains started far out (q at 50, sd
+    0.001, its covariance the first inverse mass matrix) and a warm-up too short to get back:
+    ``(moments, exact tilted mean and sd)``."""
+    clients, _, _ = linear
+    guide = _guide().setup(*clients.client(0))
+    prior = guide.prior
+    far = g.FullGaussian.from_moments(jnp.full(3, 50.0), 1e-6 * jnp.eye(3))
+    solver = ep.TiltedNUTS(linear_regression, guide, num_warmup=5, num_samples=30,
+                           num_chains=4, max_rhat=max_rhat, estimator="sample",
+                           extensions=extensions)
+    data = tuple(a[0] for a in clients.stacked)
+    m = jax.jit(solver.moments)(prior, far, data, clients.mask[0], jax.random.key(0))
+    exact = ep.ExactTilted(linear_regression, guide).moments(prior, prior, data, clients.mask[0],
+                                                             jax.random.key(0))
+    mean, cov = g.to_moments(exact.tilted)
+    return m, np.asarray(mean), np.sqrt(np.diag(np.asarray(cov)))
+
+
+def test_extensions_run_unmixed_chains_on_until_they_mix(linear):
+    """Chains that have not reached the tilted distribution after the first stage are run on
+    (from where they stopped, with their adaptation) until r-hat passes: the moments are then
+    the exact tilted ones to Monte Carlo error. Without extensions the same chains fail."""
+    stuck, _, _ = _far_start(linear, extensions=0)
+    assert float(stuck.rhat) >= 1.05 and int(stuck.extensions) == 0
+    m, mean, sd = _far_start(linear, extensions=6)
+    assert 1 <= int(m.extensions) <= 6 and float(m.rhat) < 1.05, (m.extensions, m.rhat)
+    got_mean, got_cov = g.to_moments(m.tilted)
+    assert np.all(np.abs(np.asarray(got_mean) - mean) < 5 * sd / np.sqrt(float(m.ess)))
+    np.testing.assert_allclose(np.sqrt(np.diag(np.asarray(got_cov))), sd, rtol=0.3)
+
+
+def test_extensions_recorded_and_the_budget_respected(linear):
+    """A client that never passes (max_rhat just above 1) takes the whole budget each round,
+    and the history says so; every client is then skipped."""
+    clients, _, _ = linear
+    with pytest.warns(RuntimeWarning, match="did not mix"):
+        res = fedppl.EP(linear_regression, _guide(), num_warmup=20, num_samples=20,
+                        num_chains=2, max_rhat=1.0 + 1e-12, extensions=3).run(
+            jax.random.key(0), clients, 1, progress_bar=False)
+    np.testing.assert_array_equal(res.history["extensions"], np.full((1, 3), 3.0))
+    assert np.all(res.history["converged"] == 0)
 
 
 def test_local_sites_sampled_at_the_client_and_kept_there():

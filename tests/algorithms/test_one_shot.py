@@ -81,3 +81,38 @@ def test_bad_input(linear):
     first = shot.run(jax.random.key(0), clients)
     with pytest.raises(ValueError, match="starts from the prior"):
         shot.init(jax.random.key(0), clients, first.factors)
+
+
+def twin_modes(y=None, n=20):
+    """``y ~ N(theta^2, 0.3^2)``: with ``y`` near 4 the posterior has modes at -2 and 2 that no
+    chain crosses."""
+    import numpyro
+    import numpyro.distributions as dist
+
+    theta = numpyro.sample("theta", dist.Normal(0.0, 3.0))
+    with numpyro.plate("data", n):
+        numpyro.sample("y", dist.Normal(theta**2, 0.3), obs=y)
+
+
+@pytest.mark.parametrize("method", ["parametric", "consensus"])
+def test_refuses_to_merge_when_most_chains_did_not_mix(method):
+    """Chains stuck in two modes (admitted with max_rhat=inf) are not merged into a narrow
+    Gaussian: the run stops with an error naming the clients, their r-hat and what to do."""
+    y = 4.0 + 0.3 * np.random.default_rng(0).normal(size=(3, 20))
+    clients = fedppl.Clients.from_list([(y_k,) for y_k in y])
+    shot = fedppl.OneShot(twin_modes, fedppl.PVIGuide(twin_modes, family="fullrank"), method,
+                          num_warmup=100, num_samples=100, num_chains=4, max_rhat=float("inf"),
+                          extensions=0)
+    with pytest.raises(RuntimeError, match=r"chains of [23] of 3 clients did not mix.*client "
+                                           r"\d \(\d.*fedppl.EP"):
+        shot.run(jax.random.key(0), clients)
+
+
+def test_refuses_when_most_clients_are_dropped(linear):
+    """Under the default rule the unmixed clients would be left out of q: with most of them out
+    the merge is refused as well."""
+    clients, _, _ = linear
+    shot = fedppl.OneShot(linear_regression, _guide(), "parametric", num_warmup=20,
+                          num_samples=20, num_chains=2, max_rhat=1.0 + 1e-12, extensions=0)
+    with pytest.raises(RuntimeError, match="3 of 3 clients did not mix"):
+        shot.run(jax.random.key(0), clients)

@@ -118,6 +118,24 @@ def test_ep_exact_tilted(no_x64, ep64):
     _close(_moments(res), ep64, ROUNDING, "EP")
 
 
+def test_ep_sampled_with_its_defaults(no_x64):
+    """EP as a user runs it (NUTS, Stein's estimator, extensions) in float32: within its Monte
+    Carlo error of the exact float64 posterior (Bayesian linear regression, noise 0.5)."""
+    X, y = _linear_data()
+    guide = fedppl.PVIGuide(linear_model, family="fullrank")
+    res = _quiet(lambda: fedppl.EP(linear_model, guide, damping=1.0, num_warmup=150,
+                                   num_samples=300, num_chains=2).run(
+        jax.random.key(0), _clients(X, y, np.float32), 2, progress_bar=False))
+    assert_dtype(res.q, what="EP's q")
+    prec = np.eye(2) + X.T @ X / 0.25  # the exact posterior, in float64
+    mean, sd = np.linalg.solve(prec, X.T @ y / 0.25), np.sqrt(np.diag(np.linalg.inv(prec)))
+    m, s = _moments(res)
+    se = sd * np.sqrt(np.sum(1.0 / res.history["ess"][-1]))
+    assert np.all(np.abs(m - mean) <= 3 * se), (m, mean, se)
+    np.testing.assert_allclose(s, sd, rtol=0.15)
+    assert np.all(res.history["converged"] == 1)
+
+
 def test_one_shot_laplace(no_x64, laplace64):
     res = _quiet(_laplace)
     assert_dtype(res.q, what="OneShot's q")
