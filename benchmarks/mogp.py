@@ -3,13 +3,16 @@
 Tables (mean +- standard error over seeds): synthetic -- RMSE and mean posterior variance of the
 latent regression/classification functions against the truth, rounds until the exact ELBO per
 observation settles within 1e-3 (">R" = not settled), seconds per round; digits (10/20/50 shots
-with 20/15/10 clients) -- accuracy, MSE, ECE, seconds per round, and the accuracy curve.
-Defaults are reduced to fit ~15 min on 2 CPU cores (paper: 20 synthetic / 70 real rounds).
+with 20/15/10 clients) -- accuracy, MSE, ECE, seconds per round, rounds to the accuracy plateau
+(:func:`rounds_to_plateau`) and the accuracy curve. Defaults are reduced to fit ~15 min on 2 CPU
+cores (paper: 20 synthetic / 70 real rounds).
 
 Run::
 
     python benchmarks/mogp.py                         # defaults below
     python benchmarks/mogp.py --seeds 3 --rounds 20 --digits-rounds 40
+    python benchmarks/mogp.py --study digits --seeds 3 --digits-rounds 30 \
+        --out benchmarks/results/mogp_digits.json     # the digits study alone
 """
 
 from __future__ import annotations
@@ -33,6 +36,7 @@ def parse() -> argparse.Namespace:
     p.add_argument("--rounds", type=int, default=15, help="synthetic rounds")
     p.add_argument("--digits-rounds", type=int, default=20)
     p.add_argument("--shots", type=int, nargs="+", default=[10, 20, 50])
+    p.add_argument("--study", choices=("both", "synthetic", "digits"), default="both")
     p.add_argument("--out", default=str(Path(__file__).parent / "results" / "mogp.json"))
     return p.parse_args()
 
@@ -47,6 +51,14 @@ def _rounds_cell(vals, rounds) -> str:
     return ", ".join(str(v) if v is not None else f">{rounds}" for v in vals)
 
 
+def rounds_to_plateau(curve, tol: float = 0.01, tail: int = 5) -> int:
+    """The first round (from 1) whose accuracy is within ``tol`` of the plateau, the mean of the
+    last ``tail`` rounds."""
+    c = np.asarray(curve, float)
+    level = c[-min(tail, len(c)):].mean()
+    return int(np.argmax(c >= level - tol)) + 1
+
+
 def main() -> None:
     args = parse()
     jax.config.update("jax_enable_x64", True)
@@ -54,40 +66,23 @@ def main() -> None:
 
     t0 = time.perf_counter()
     syn = {m: [] for m in METHODS}
-    for seed in range(args.seeds):
+    for seed in range(args.seeds if args.study != "digits" else 0):
         for m in METHODS:
             r = mogp_synthetic.run(m, seed=seed, rounds=args.rounds)
             syn[m].append({k: v for k, v in r.items() if k not in ("post", "grid", "f_true")})
             print(f"synthetic seed={seed} {m}: cls RMSE {r['cls_rmse']:.3f}", flush=True)
-    dig = {s: {m: [] for m in METHODS} for s in args.shots}
-    for s in args.shots:
+    shots = args.shots if args.study != "synthetic" else []
+    dig = {s: {m: [] for m in METHODS} for s in shots}
+    for s in shots:
         for seed in range(args.seeds):
             for m in METHODS:
                 r = mogp_digits.run(m, shots=s, rounds=args.digits_rounds, seed=seed)
+                r["rounds_to_plateau"] = rounds_to_plateau(r["acc_curve"])
                 dig[s][m].append(r)
-                print(f"digits {s}-shot seed={seed} {m}: acc {r['accuracy']:.3f}", flush=True)
-    lines = ["### synthetic (5 clients)", "",
-             "| method | cls RMSE | cls var | reg RMSE | reg var | rounds to converge (per seed)"
-             " | s/round |", "|---|---:|---:|---:|---:|---:|---:|"]
-    for m in METHODS:
-        rs = syn[m]
-        lines.append(f"| {m} | " + " | ".join(_cell([r[k] for r in rs]) for k in (
-            "cls_rmse", "cls_var", "reg_rmse", "reg_var")) + f" | "
-            f"{_rounds_cell([r['rounds_to_convergence'] for r in rs], args.rounds)} | "
-            f"{_cell([r['seconds_per_round'] for r in rs])} |")
-    for metric in ("accuracy", "mse", "ece", "seconds_per_round"):
-        lines += ["", f"### digits: {metric}", "",
-                  "| method | " + " | ".join(f"{s}-shot" for s in args.shots) + " |",
-                  "|---|" + "---:|" * len(args.shots)]
-        for m in METHODS:
-            lines.append(f"| {m} | " + " | ".join(_cell([r[metric] for r in dig[s][m]])
-                                                   for s in args.shots) + " |")
-    lines += ["", "### digits: mean test accuracy by round (first seed, 10 marks)", ""]
-    for s in args.shots:
-        for m in METHODS:
-            c = dig[s][m][0]["acc_curve"]
-            idx = np.unique(np.linspace(0, len(c) - 1, 10).astype(int))
-            lines.append(f"- {s}-shot {m}: " + " ".join(f"{c[i]:.2f}" for i in idx))
+                print(f"digits {s}-shot seed={seed} {m}: acc {r['accuracy']:.3f}, plateau at "
+                      f"round {r['rounds_to_plateau']}", flush=True)
+    lines = _synthetic_lines(syn, args.rounds) if args.study != "digits" else []
+    lines += _digits_lines(dig, shots) if shots else []
     print("\n" + "\n".join(lines))
     out = {"measured": "pFed-Mul / pFed-St / Gaussian-VI on the synthetic LMC study and the "
                        "digits few-shot study", "settings": vars(args),
@@ -99,6 +94,46 @@ def main() -> None:
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(out, indent=1, default=float))
     print(f"\nwrote {args.out} ({out['total_seconds']:.0f} s)")
+
+
+def _synthetic_lines(syn: dict, rounds: int) -> list[str]:
+    lines = ["### synthetic (5 clients)", "",
+             "| method | cls RMSE | cls var | reg RMSE | reg var | rounds to converge (per seed)"
+             " | s/round |", "|---|---:|---:|---:|---:|---:|---:|"]
+    for m in METHODS:
+        rs = syn[m]
+        lines.append(f"| {m} | " + " | ".join(_cell([r[k] for r in rs]) for k in (
+            "cls_rmse", "cls_var", "reg_rmse", "reg_var")) + f" | "
+            f"{_rounds_cell([r['rounds_to_convergence'] for r in rs], rounds)} | "
+            f"{_cell([r['seconds_per_round'] for r in rs])} |")
+    return [*lines, ""]
+
+
+def _digits_lines(dig: dict, shots: list[int]) -> list[str]:
+    lines: list[str] = []
+    for metric in ("accuracy", "mse", "ece", "seconds_per_round"):
+        lines += [f"### digits: {metric}", "",
+                  "| method | " + " | ".join(f"{s}-shot" for s in shots) + " |",
+                  "|---|" + "---:|" * len(shots)]
+        for m in METHODS:
+            lines.append(f"| {m} | " + " | ".join(_cell([r[metric] for r in dig[s][m]])
+                                                   for s in shots) + " |")
+        lines.append("")
+    lines += ["### digits: rounds to the accuracy plateau (per seed; within 0.01 of the mean of "
+              "the last 5 rounds)", "",
+              "| method | " + " | ".join(f"{s}-shot" for s in shots) + " |",
+              "|---|" + "---:|" * len(shots)]
+    for m in METHODS:
+        lines.append(f"| {m} | " + " | ".join(
+            ", ".join(str(rounds_to_plateau(r["acc_curve"])) for r in dig[s][m])
+            for s in shots) + " |")
+    lines += ["", "### digits: mean test accuracy by round (first seed, 10 marks)", ""]
+    for s in shots:
+        for m in METHODS:
+            c = dig[s][m][0]["acc_curve"]
+            idx = np.unique(np.linspace(0, len(c) - 1, 10).astype(int))
+            lines.append(f"- {s}-shot {m}: " + " ".join(f"{c[i]:.2f}" for i in idx))
+    return lines
 
 
 if __name__ == "__main__":

@@ -163,7 +163,7 @@ def _closed_form_noise(sums: Array, counts: Array, log_noise: Array) -> Array:
 def _vi_q(spec: MOGPSpec, hyper: Hyper, Z: Array, vi: VIParams) -> QU:
     """Whitened parameterisation: ``u = L_K v``, ``q(v) = N(mean, R R^T)``."""
     R = jnp.tril(vi.tril, -1) + jnp.diag(jnp.exp(jnp.diag(vi.tril)))
-    K, _ = mogp.kzz_chol(spec, hyper, hyper.net(Z))
+    K, _ = mogp.kzz_chol(spec, hyper, mogp.features(hyper, Z))
     Lk = jnp.linalg.cholesky(jax.scipy.linalg.block_diag(*K))
     LR = Lk @ R
     return QU(Lk @ vi.mean, LR @ LR.T)

@@ -347,10 +347,17 @@ def _check_hyper(spec: MOGPSpec, hyper: Any) -> None:
     if not isinstance(hyper, Hyper):
         raise TypeError("hyper must be a fedppl.models.mogp.Hyper (see mogp.init_hyper), got "
                         f"{type(hyper).__name__}")
-    if not isinstance(hyper.net, MLP):
-        raise TypeError("hyper.net must be a fedppl.models.networks.MLP, got "
-                        f"{type(hyper.net).__name__}")
     T, B = len(spec.kinds), spec.num_latent
+    nets = hyper.net if isinstance(hyper.net, tuple) else (hyper.net,)
+    if not nets or not all(isinstance(n, MLP) for n in nets):
+        raise TypeError("hyper.net must be a fedppl.models.networks.MLP or a tuple of them, got "
+                        f"{type(hyper.net).__name__}")
+    if isinstance(hyper.net, tuple) and len(nets) != B:
+        raise ValueError(f"hyper.net is a tuple of {len(nets)} networks; one per latent GP "
+                         f"needs {B}")
+    if len({n.widths for n in nets}) > 1:
+        raise ValueError("the latent GPs' networks must have the same widths, got "
+                         f"{[n.widths for n in nets]}")
     want = {"log_phi0": (B,), "log_phi1": (B,), "W": (T, B), "log_noise": (T,)}
     for name, shape in want.items():
         value = np.asarray(getattr(hyper, name))
@@ -363,7 +370,8 @@ def _check_hyper(spec: MOGPSpec, hyper: Any) -> None:
 
 
 def _input_dim(hyper: Hyper) -> int | None:
-    return hyper.net.widths[0] if hyper.net.widths else None
+    net = hyper.net[0] if isinstance(hyper.net, tuple) else hyper.net
+    return net.widths[0] if net.widths else None
 
 
 def _check_clients(spec: MOGPSpec, hyper: Hyper, clients: Any) -> Clients:

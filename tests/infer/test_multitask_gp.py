@@ -115,6 +115,7 @@ BAD_SETTINGS = [
     (dict(hyper=HYPER._replace(W=jnp.ones((3, 2)))), ValueError, r"hyper.W must have shape"),
     (dict(hyper=HYPER._replace(log_noise=jnp.array([jnp.nan, 0.0]))), ValueError, "NaN"),
     (dict(hyper=HYPER._replace(net=())), TypeError, "hyper.net must be"),
+    (dict(hyper=HYPER._replace(net=(HYPER.net[0],) * 3)), ValueError, "one per latent GP"),
     (dict(method="cavi"), ValueError, "method must be one of"),
     (dict(variant="everything"), ValueError, "variant must be one of"),
     (dict(fixed="W"), ValueError, "fixed must be"),

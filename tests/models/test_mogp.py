@@ -119,7 +119,7 @@ def test_numpyro_model_log_density_matches_manual():
     lp, _ = log_density(mogp.mogp_model, (data.X, data.task, spec, hyper, Z),
                         {"y": data.y}, params)
     from scipy.stats import multivariate_normal, norm
-    K, _ = mogp.kzz_chol(spec, hyper, hyper.net(Z))
+    K, _ = mogp.kzz_chol(spec, hyper, mogp.features(hyper, Z))
     ref = sum(multivariate_normal(np.zeros(4), np.asarray(K[b])).logpdf(us[b]) for b in range(2))
     ref += norm(np.asarray(Phi @ jnp.concatenate(us)), np.sqrt(np.asarray(cond) + 1e-12)
                 ).logpdf(np.asarray(f)).sum()
@@ -157,3 +157,70 @@ def test_missing_task_contributes_nothing():
     np.testing.assert_allclose(q.mean, qp.mean, atol=1e-10)
     e = mogp.elbo(spec, hyper, Z, only_reg, q, jnp.ones(25))
     assert abs(float(e) - float(mogp.elbo(spec, hyper, Z, padded, qp, jnp.ones(40)))) < 1e-9
+
+
+# -- one network per latent GP (theta_b of Eq. 1c) -------------------------------------------------
+
+
+def _rbf(A, B, a, b):
+    return a * np.exp(-0.5 * b * ((np.asarray(A)[:, None] - np.asarray(B)[None]) ** 2).sum(-1))
+
+
+def test_every_latent_has_its_own_network_by_default():
+    spec, hyper, data, Z = _problem(("regression", "classification"), n=10, m=5, hidden=(4, 3))
+    assert isinstance(hyper.net, tuple) and len(hyper.net) == 2
+    w0, w1 = (np.asarray(n.layers[0].weight) for n in hyper.net)
+    assert not np.allclose(w0, w1)                       # drawn from their own keys
+    H = mogp.features(hyper, Z)
+    assert H.shape == (2, 5, 3)
+    # K_b(Z, Z) is latent b's base kernel on latent b's own features
+    K, _ = mogp.kzz_chol(spec, hyper, H)
+    phi0, phi1 = np.exp(hyper.log_phi0), np.exp(hyper.log_phi1)
+    for b in range(2):
+        ref = _rbf(hyper.net[b](Z), hyper.net[b](Z), phi0[b], phi1[b])
+        ref += spec.jitter * phi0[b] * np.eye(5)
+        assert np.allclose(K[b], ref, rtol=1e-10, atol=1e-12)
+    # and K_b(Z, X) enters the projections: E[f_n | u] with u = e_j of latent b
+    Phi, _, _, _ = mogp.projections(spec, hyper, Z, data.X, data.task)
+    X = data.X
+    for b in range(2):
+        A = np.linalg.solve(K[b], _rbf(hyper.net[b](Z), hyper.net[b](X), phi0[b], phi1[b]))
+        want = np.asarray(hyper.W)[np.asarray(data.task), b][:, None] * A.T
+        assert np.allclose(Phi[:, b * 5:(b + 1) * 5], want, rtol=1e-8, atol=1e-10)
+
+
+def test_shared_network_is_per_latent_networks_that_are_equal():
+    spec, shared, data, Z = _problem(("regression", "classification"), n=10, m=5, hidden=(4,))
+    shared = shared._replace(net=mogp.init_hyper(spec, 2, jax.random.PRNGKey(7), hidden=(4,),
+                                                 per_latent=False).net)
+    assert not isinstance(shared.net, tuple)
+    twins = shared._replace(net=(shared.net, shared.net))
+    c = jnp.full(data.y.shape, 0.7)
+    q1, q2 = (mogp.cavi_qu(spec, h, Z, data, c) for h in (shared, twins))
+    assert np.allclose(q1.mean, q2.mean, atol=1e-12) and np.allclose(q1.cov, q2.cov, atol=1e-12)
+    e1, e2 = (mogp.elbo(spec, h, Z, data, q1, c) for h in (shared, twins))
+    assert abs(float(e1) - float(e2)) < 1e-10
+    # a shared network's gradient is the sum of the twins' gradients
+    g1 = jax.grad(lambda h: mogp.elbo(spec, h, Z, data, q1, c))(shared)
+    g2 = jax.grad(lambda h: mogp.elbo(spec, h, Z, data, q1, c))(twins)
+    total = jax.tree_util.tree_map(lambda a, b: a + b, *g2.net)
+    for a, b in zip(jax.tree_util.tree_leaves(g1.net), jax.tree_util.tree_leaves(total),
+                    strict=True):
+        assert np.allclose(a, b, rtol=1e-8, atol=1e-12)
+
+
+def test_per_latent_networks_in_float32():
+    kinds = ("regression", "classification")
+    spec, hyper, data, Z = _problem(kinds, n=12, m=6, hidden=(4, 3))
+    c = jnp.full(data.y.shape, 0.5)
+    q64 = mogp.cavi_qu(spec, hyper, Z, data, c)
+    e64 = float(mogp.elbo(spec, hyper, Z, data, q64, c))
+    with jax.enable_x64(False):
+        h32 = jax.tree_util.tree_map(lambda x: jnp.asarray(x, jnp.float32), hyper)
+        d32 = data._replace(X=jnp.asarray(data.X, jnp.float32), y=jnp.asarray(data.y, jnp.float32))
+        Z32, c32 = jnp.asarray(Z, jnp.float32), jnp.asarray(c, jnp.float32)
+        q32 = mogp.cavi_qu(spec, h32, Z32, d32, c32)
+        e32 = mogp.elbo(spec, h32, Z32, d32, q32, c32)
+        assert q32.mean.dtype == jnp.float32 and e32.dtype == jnp.float32
+    assert np.allclose(q32.mean, q64.mean, atol=1e-3)
+    assert abs(float(e32) - e64) < 1e-3 * max(1.0, abs(e64))
