@@ -9,9 +9,10 @@ The two are correlated the way the paper's Dogcat construction is (a label and a
 proxy of it). Clients: images are shuffled (seeded) and dealt out; each client gets ``shots``
 regression images and ``shots`` other classification images, plus ``test_per_client`` held-out
 images on which both tasks are scored. Settings follow the paper's few-shot grid
-(10 shots/20 clients, 20/15, 50/10). The model: two latent GPs with RBF base kernels on a small
-tanh MLP feature map (64 -> 16 -> 4), ``variant="network"`` (only the MLP is global, kernels, W
-and noise are personal), as in the paper's real-data protocol.
+(10 shots/20 clients, 20/15, 50/10). The model: two latent GPs with RBF base kernels, each on
+its own small tanh MLP feature map (64 -> 16 -> 4, one per latent GP as in the paper's
+Eq. 1c), ``variant="network"`` (only the MLPs are global, kernels, W and noise are personal), as
+in the paper's real-data protocol.
 
 Round keys come from :class:`~fedppl.infer.multitask_gp.PFedMul` (pFed-St: its ``fold_in(key,
 task)``). Metrics: accuracy, classification ECE (:func:`fedppl.metrics.classification_ece`),
