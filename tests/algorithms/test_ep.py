@@ -41,17 +41,19 @@ def test_exact_tilted_is_exact(linear, schedule, damping, alpha, rounds):
         assert np.all(change[-1] < 1e-8)
 
 
-@pytest.mark.parametrize("damping, end, atol", [(ep.decaying_damping(0.5, 0.3), 0.3, 1e-8),
-                                                ("decaying", 0.2, 1e-3)])
-def test_decaying_damping_converges(linear, damping, end, atol):
+@pytest.mark.parametrize("damping, estimator, end, rate, atol", [
+    (ep.decaying_damping(0.5, 0.3), "stein", 0.3, 0.8, 1e-8),
+    ("decaying", "sample", 0.2, 0.8, 1e-3),  # ep-stan's: towards min(1 / K, 0.2)
+    ("decaying", "stein", 0.1, 0.9, 1e-3)])  # the default estimator's: towards 0.1
+def test_decaying_damping_converges(linear, damping, estimator, end, rate, atol):
     """Undamped, a Gaussian site is its likelihood at once: damped, the error shrinks by
-    ``1 - rho_r`` a round (0.8^40 ~ 1e-4 for "decaying", which ends at min(1 / K, 0.2))."""
+    ``1 - rho_r`` a round, ``rho_r = end + (0.5 - end) rate^r``."""
     clients, mean, _ = linear
-    res = fedppl.EP(linear_regression, _guide(), damping=damping,
+    res = fedppl.EP(linear_regression, _guide(), damping=damping, estimator=estimator,
                     tilted="exact").run(jax.random.key(0), clients, 40, progress_bar=False)
     np.testing.assert_allclose(res.mean_and_cov()[0], mean, atol=atol)
-    assert res.history["damping"][0] == 0.5
-    assert end < res.history["damping"][-1] < end + 1e-3
+    np.testing.assert_allclose(res.history["damping"],
+                               end + (0.5 - end) * rate ** np.arange(40), rtol=1e-12)
 
 
 def test_client_step_is_pvi_step_with_tilted_solver(linear):
