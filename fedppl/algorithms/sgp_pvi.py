@@ -78,6 +78,7 @@ class Spec(NamedTuple):
     input_dim: int = 1
     jitter: float = sgp.JITTER   # relative jitter on K_ZZ
     shared_draws: int = 0        # S > 0: the round's shared (beta, Z) draws (see begin_round)
+    learn_z_sd: bool = True      # False: q(Z)'s sds held at their start, only its means learnt
 
 
 class ServerState(NamedTuple):
@@ -130,13 +131,14 @@ def init(spec: Spec, key: Array, X_stack: np.ndarray, mask: np.ndarray, sizes: n
          num_inducing: int, num_pseudo: np.ndarray, init_precision: float = 100.0,
          pseudo_from_data: bool = True, z_init: np.ndarray | None = None,
          log_beta_fixed: np.ndarray | None = None, pseudo: sg.Pseudo | None = None,
-         z_from_pseudo: bool = False) -> ServerState:
+         z_from_pseudo: bool = False, z_precision: float | None = None) -> ServerState:
     """Initial state (App. D). q(beta) starts at mean 0 (beta = 1) with precision
     ``init_precision``, q(Z) at mean ``Z0 ~ N(0, I)`` (a random draw: all-zero means would make
     the inducing points coincide) with precision ``init_precision``; the precision above the
     prior's unit precision is split evenly among the K factors. ``z_init`` overrides Z0;
     ``z_from_pseudo`` draws Z0's rows without replacement from the clients' initial DPO
-    pseudo-inputs (the rows the first messages carry)."""
+    pseudo-inputs (the rows the first messages carry). ``z_precision`` is q(Z)'s starting
+    precision where it differs from q(beta)'s (``None``: ``init_precision``)."""
     K, _, D = X_stack.shape
     P = sgp.num_hyper(D, spec.likelihood)
     rng = np.random.default_rng(int(jax.random.randint(key, (), 0, 2**31 - 1)))
@@ -160,9 +162,10 @@ def init(spec: Spec, key: Array, X_stack: np.ndarray, mask: np.ndarray, sizes: n
                              f"rows, the clients' pseudo-inputs have {len(pool)}")
         Z0 = pool[rng.choice(len(pool), size=num_inducing, replace=False)]
     share = max(init_precision - 1.0, 0.0) / K
+    z_share = share if z_precision is None else max(z_precision - 1.0, 0.0) / K
     t_beta = g.DiagGaussian(jnp.zeros((K, P)), jnp.full((K, P), share))
-    t_z = g.DiagGaussian(jnp.broadcast_to(Z0 * (1.0 + share * K) / K, (K, *Z0.shape)),
-                         jnp.full((K, *Z0.shape), share))
+    t_z = g.DiagGaussian(jnp.broadcast_to(Z0 * (1.0 + z_share * K) / K, (K, *Z0.shape)),
+                         jnp.full((K, *Z0.shape), z_share))
     fixed = np.zeros(P) if log_beta_fixed is None else np.asarray(log_beta_fixed, float)
     S, M = spec.shared_draws, num_inducing
     shared = Shared(jnp.zeros((S, P)), jnp.zeros((S, M, D)), jnp.zeros((S, M, M)),
@@ -267,6 +270,8 @@ def local_free_energy(spec: Spec, state: ServerState, k: Any, data: tuple, param
     lq, own, z_point = params
     if spec.factor == "opt":
         own = jax.lax.stop_gradient(own)
+    if not spec.learn_z_sd:  # q(Z)'s sds stay where the round began: only its means move
+        lq = lq._replace(z_logsd=jax.lax.stop_gradient(lq.z_logsd))
     if spec.shared_draws:
         return _shared_estimate(spec, state, k, data, lq, own, z_point, key)
     cav_b = _loc_scale(state.beta_prior, state.t_beta, k) if spec.learn_hyper else None

@@ -43,7 +43,7 @@ from fedppl.guides.sgp_guide import Pseudo
 from fedppl.infer import _gp_checks as chk
 from fedppl.infer.base import FederatedMethod, Plan, Result, RunState, num_bytes, shared
 
-__all__ = ["FederatedSGP", "SGPConfig", "SGPResult", "METHODS"]
+__all__ = ["FederatedSGP", "SGPConfig", "SGPResult", "METHODS", "DPO_DEFAULTS", "PAPER_DPO"]
 
 METHODS = ("dpo", "cpo", "fedavg-z", "fixed", "global")
 FREE_ENERGY_KEY = 12345   # common draws for the per-round free energy (a smooth curve)
@@ -66,6 +66,13 @@ class SGPConfig(NamedTuple):
     whose server holds no data). See the sgp_dpo_diagnosis benchmark page in the docs.
     ``covariance``: DPO's S_k, ``"diag"`` (the paper's), ``"full"``, or ``"noise"``:
     ``noise^2 diag(exp(s))``, so that the pseudo-noise follows the learnt noise.
+    ``alpha``: the weight of q(Z)'s KL in the local free energies.
+    ``learn_inducing_sd``: learn q(Z)'s sds (the paper) or hold them at their start, learning
+    its means only. ``inducing_precision``: q(Z)'s starting precision (``None`` outside DPO:
+    ``init_precision``, as in the paper).
+    ``alpha``, ``covariance``, ``learn_inducing_sd`` and ``inducing_precision`` left at ``None``
+    take the method's defaults: :data:`DPO_DEFAULTS` for ``"dpo"``, :data:`PAPER_DPO` (the
+    paper's) for the others; ``FederatedSGP("dpo", **PAPER_DPO)`` is the paper's DPO.
     ``shared_draws``: 0 (the paper's method) or S > 0: every client's local free energy is
     estimated at S draws of ``(beta, Z)`` that the server makes from q once a round, with the
     summed statistics of all clients' factors at each (importance-weighted, see
@@ -77,7 +84,7 @@ class SGPConfig(NamedTuple):
     num_inducing: int = 100
     pseudo_fraction: float = 0.8
     max_pseudo: int = 500
-    alpha: float = 0.1
+    alpha: float | None = None
     optimizer: optax.GradientTransformation = optax.adam(1e-2)
     local_steps: int = 200
     schedule: str = "sequential"
@@ -85,13 +92,15 @@ class SGPConfig(NamedTuple):
     num_samples: int = 1
     inner_steps: int = 200
     init_precision: float = 100.0
-    covariance: str = "diag"
+    covariance: str | None = None
     likelihood: str = "gaussian"
     fixed_hyper: dict | None = None
     fixed_inducing: Array | None = None
     pseudo_init: str = "data"
     shared_draws: int = 0
     init_inducing: str = "random-normal"
+    learn_inducing_sd: bool | None = None
+    inducing_precision: float | None = None
 
 
 @dataclass(kw_only=True)
@@ -231,7 +240,7 @@ class FederatedSGP(FederatedMethod):
         if unknown:
             raise TypeError(f"unknown settings {sorted(unknown)}; FederatedSGP takes "
                             f"{list(SGPConfig._fields)}")
-        self.config = _checked((config or SGPConfig())._replace(**settings))
+        self.config = _checked(_resolved(method, (config or SGPConfig())._replace(**settings)))
         if self.config.shared_draws and method not in ("dpo", "fixed", "fedavg-z"):
             raise ValueError(f"shared_draws applies to 'dpo', 'fixed' and 'fedavg-z' (the "
                              f"methods whose clients sum each other's DPO factors at their own "
@@ -268,11 +277,13 @@ class FederatedSGP(FederatedMethod):
                   "global": "train"}[method]
         if cfg.fixed_inducing is not None:
             z_mode = "fixed"
+        assert cfg.covariance is not None and cfg.alpha is not None  # filled by _resolved
         return sgp_pvi.Spec(factor.get(method, "dpo"), cfg.covariance, cfg.likelihood, z_mode,
                             cfg.fixed_hyper is None, float(cfg.alpha), int(cfg.local_steps),
                             int(cfg.inner_steps) if method == "fedavg-z" else 0,
                             int(cfg.num_samples), float(cfg.damping), D,
-                            shared_draws=int(cfg.shared_draws))
+                            shared_draws=int(cfg.shared_draws),
+                            learn_z_sd=bool(cfg.learn_inducing_sd))
 
     def _plan(self, rng_key: Array, clients: Clients, *, data_at_server: bool = True,
               **kwargs: Any) -> Plan:
@@ -353,6 +364,27 @@ class _Static(NamedTuple):
 
 # -- checks and the initial state ----------------------------------------------------------------
 
+#: The paper's DPO (Sec. 6 and App. D): q(Z)'s sds learnt, both q(beta) and q(Z) starting at
+#: precision 100, alpha = 0.1, a diagonal S_k. ``FederatedSGP("dpo", **PAPER_DPO)``.
+PAPER_DPO: dict[str, Any] = {"alpha": 0.1, "covariance": "diag", "learn_inducing_sd": True,
+                             "inducing_precision": 100.0}
+
+#: The default DPO: q(Z) narrow and held so, its means learnt; the pseudo-noise relative to the
+#: learnt noise (see the ``sgp_dpo_diagnosis`` benchmark page for the measurements).
+DPO_DEFAULTS: dict[str, Any] = {"alpha": 0.01, "covariance": "noise",
+                                "learn_inducing_sd": False, "inducing_precision": 100.0}
+
+
+def _resolved(method: str, cfg: SGPConfig) -> SGPConfig:
+    """The settings left at ``None`` filled with the method's defaults: :data:`DPO_DEFAULTS` for
+    ``"dpo"`` (a diagonal S_k for a Bernoulli likelihood, which has no noise), the paper's
+    (:data:`PAPER_DPO`) for the other methods."""
+    base = DPO_DEFAULTS if method == "dpo" else {**PAPER_DPO, "inducing_precision": None}
+    if method == "dpo" and cfg.likelihood != "gaussian":
+        base = {**base, "covariance": "diag"}
+    return cfg._replace(**{k: v for k, v in base.items() if getattr(cfg, k) is None})
+
+
 
 def _checked(cfg: SGPConfig) -> SGPConfig:
     """Every setting checked on its own (before any data is seen)."""
@@ -364,6 +396,9 @@ def _checked(cfg: SGPConfig) -> SGPConfig:
     check.fraction(cfg.damping, "damping")
     check.positive(cfg.alpha, "alpha", allow_zero=True)
     check.positive(cfg.init_precision, "init_precision")
+    if cfg.inducing_precision is not None:
+        check.positive(cfg.inducing_precision, "inducing_precision")
+    check.one_of(cfg.learn_inducing_sd, (True, False), "learn_inducing_sd")
     check.optimizer(cfg.optimizer)
     check.one_of(cfg.schedule, ("sequential", "synchronous"), "schedule")
     check.one_of(cfg.covariance, ("diag", "full", "noise"), "covariance")
@@ -445,5 +480,6 @@ def _initial_state(method: str, spec: sgp_pvi.Spec, cfg: SGPConfig, clients: Cli
                          "none")
     return sgp_pvi.init(spec, key, X_stack, mask, sizes, m, num_pseudo, cfg.init_precision,
                         cfg.pseudo_init == "data", z_init,
-                        _fixed_log_beta(cfg, X_stack.shape[2]), pseudo, from_pseudo)
+                        _fixed_log_beta(cfg, X_stack.shape[2]), pseudo, from_pseudo,
+                        cfg.inducing_precision)
 

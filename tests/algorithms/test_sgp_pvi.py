@@ -137,3 +137,51 @@ def test_trio_round_moves_only_the_active_clients_factor_and_raises_its_free_ene
     after = float(local(new, jax.tree_util.tree_map(lambda a: a[0], new.pseudo)))
     assert after > before + 1.0
     assert np.isfinite(float(msgs.free_energy[0])) and float(msgs.free_energy[1]) == 0.0
+
+
+def test_init_gives_q_z_its_own_precision():
+    """``z_precision`` sets q(Z)'s total precision apart from q(beta)'s, split over the factors;
+    q(Z)'s mean is Z0 either way."""
+    spec = sgp_pvi.Spec(input_dim=1)
+    rng = np.random.default_rng(1)
+    X = rng.normal(size=(2, 8, 1))
+    Z0 = np.linspace(-1.0, 1.0, 4)[:, None]
+    args = (spec, jax.random.PRNGKey(0), X, np.ones((2, 8), bool), np.array([8, 8]), 4,
+            np.array([5, 5]))
+    state = sgp_pvi.init(*args, init_precision=100.0, z_init=Z0, z_precision=1e4)
+    np.testing.assert_allclose(sgp_pvi.q_z(state).prec, 1e4)
+    np.testing.assert_allclose(sgp_pvi.q_beta(state).prec, 100.0)
+    np.testing.assert_allclose(g.to_moments(sgp_pvi.q_z(state))[0], Z0, rtol=1e-12)
+    default = sgp_pvi.init(*args, init_precision=100.0, z_init=Z0)
+    np.testing.assert_allclose(sgp_pvi.q_z(default).prec, 100.0)
+
+
+def _z_after_one_update(learn_z_sd, dtype):
+    spec = sgp_pvi.Spec(input_dim=1, local_steps=30, alpha=0.01, learn_z_sd=learn_z_sd)
+    state, X = _two_clients(spec)
+    data = (jnp.asarray(X[0], dtype), jnp.sin(jnp.asarray(X[0, :, 0], dtype)),
+            jnp.ones(8, bool))
+    msg = jax.jit(sgp_pvi.client_update, static_argnums=(0, 1))(
+        spec, optax.adam(5e-2), state, 0, data, jax.random.PRNGKey(2))
+    new, ok = sgp_pvi.server_update(spec, state, sgp_pvi.expand(msg), jnp.array([0]))
+    assert bool(ok[0])
+    return state, new
+
+
+def test_fixed_q_z_sd_moves_its_means_only():
+    """``learn_z_sd=False``: a client's update leaves every sd of q(Z) where it was (its factor's
+    precision unchanged) and moves q(Z)'s means; the paper's learnt sds move too. Float64 and
+    float32."""
+    for x64, dtype in ((True, jnp.float64), (False, jnp.float32)):
+        with jax.enable_x64(x64):
+            for learn in (False, True):
+                state, new = _z_after_one_update(learn, dtype)
+                assert new.t_z.prec.dtype == dtype
+                before, after = sgp_pvi.q_z(state), sgp_pvi.q_z(new)
+                moved = np.abs(np.asarray(g.to_moments(after)[0] - g.to_moments(before)[0]))
+                assert moved.max() > 1e-3
+                change = np.abs(np.asarray(after.prec) / np.asarray(before.prec) - 1.0)
+                if learn:
+                    assert change.max() > 1e-2
+                else:
+                    np.testing.assert_allclose(change, 0.0, atol=1e-5 if x64 else 1e-4)

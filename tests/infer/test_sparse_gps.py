@@ -14,7 +14,7 @@ import pytest
 from fedppl import partition
 from fedppl.clients import Clients
 from fedppl.infer.base import COMMON_HISTORY
-from fedppl.infer.sparse_gps import FederatedSGP, SGPConfig
+from fedppl.infer.sparse_gps import DPO_DEFAULTS, PAPER_DPO, FederatedSGP, SGPConfig
 from fedppl.models import gp
 
 HYP = {"lengthscale": 0.6, "variance": 1.3, "noise": 0.2}
@@ -26,14 +26,17 @@ def _data(N=24, seed=0):
     return X, np.sin(2 * X[:, 0]) + HYP["noise"] * rng.normal(size=N)
 
 
-def test_dpo_closed_form_factor_recovers_exact_gp():
+@pytest.mark.parametrize("covariance, s_raw", [("diag", 2 * np.log(HYP["noise"])),
+                                               ("noise", 0.0)])
+def test_dpo_closed_form_factor_recovers_exact_gp(covariance, s_raw):
     X, y = _data()
     sgp = FederatedSGP("dpo", pseudo_fraction=1.0, fixed_hyper=HYP, fixed_inducing=X,
-                       local_steps=1)
+                       local_steps=1, covariance=covariance)
     res = sgp.run(jax.random.key(0), Clients.from_list([(X, y)]), 1, progress_bar=False)
-    # the optimal DPO factor of a Gaussian likelihood: V = X, m = y, S = noise^2 I
+    # the optimal DPO factor of a Gaussian likelihood: V = X, m = y, S = noise^2 I (diagonal
+    # S = diag(exp(s)): s = 2 log noise; relative to the noise, S = noise^2 diag(exp(s)): s = 0)
     pseudo = res.state.pseudo._replace(V=jnp.asarray(X)[None], m=jnp.asarray(y)[None],
-                                       s_raw=jnp.full((1, len(X)), 2 * np.log(HYP["noise"])))
+                                       s_raw=jnp.full((1, len(X)), s_raw))
     # K_ZZ at 24 close 1-D inputs is ill-conditioned: the default jitter (1e-6) shifts the model
     # by ~1e-3 when extrapolating; with a float64-sized jitter the sparse GP is the exact GP
     res = dataclasses.replace(res, state=res.state._replace(pseudo=pseudo),
@@ -144,6 +147,8 @@ BAD_SETTINGS = [
     ({"num_samples": 0}, ValueError, "num_samples"),
     ({"inner_steps": -1}, ValueError, "inner_steps"),
     ({"init_precision": 0.0}, ValueError, "init_precision"),
+    ({"inducing_precision": -1.0}, ValueError, "inducing_precision"),
+    ({"learn_inducing_sd": "no"}, ValueError, "learn_inducing_sd"),
     ({"optimizer": "adam"}, TypeError, "optimizer"),
     ({"optimizer": 0.01}, TypeError, "optimizer"),
     ({"schedule": "async"}, ValueError, "schedule"),
@@ -234,3 +239,25 @@ def test_result_checks_test_inputs(runs):
     with pytest.raises(ValueError, match="Gaussian likelihood"):
         dataclasses.replace(res, spec=res.spec._replace(likelihood="bernoulli")).log_likelihood(
             np.zeros((2, 1)), np.zeros(2))
+
+
+def test_dpo_defaults_and_the_papers_settings():
+    """``FederatedSGP("dpo")`` with no settings gets :data:`DPO_DEFAULTS` (q(Z) held narrow, the
+    pseudo-noise relative to the noise); ``**PAPER_DPO`` gives the paper's DPO back; the other
+    methods keep the paper's settings, a Bernoulli DPO a diagonal S_k (it has no noise), and a
+    setting given is kept."""
+    def spec(method, **kw):
+        return FederatedSGP(method, **kw)._spec(1)
+
+    s = spec("dpo")
+    assert (s.alpha, s.covariance, s.learn_z_sd) == (DPO_DEFAULTS["alpha"], "noise", False)
+    assert FederatedSGP("dpo").config.inducing_precision == DPO_DEFAULTS["inducing_precision"]
+    paper = spec("dpo", **PAPER_DPO)
+    assert (paper.alpha, paper.covariance, paper.learn_z_sd) == (0.1, "diag", True)
+    for method in ("cpo", "fedavg-z", "fixed"):
+        s = spec(method)
+        assert (s.alpha, s.covariance, s.learn_z_sd) == (0.1, "diag", True)
+        assert FederatedSGP(method).config.inducing_precision is None
+    assert spec("dpo", likelihood="bernoulli").covariance == "diag"
+    assert spec("dpo", alpha=0.3, covariance="full").covariance == "full"
+    assert spec("dpo", alpha=0.3).alpha == 0.3
