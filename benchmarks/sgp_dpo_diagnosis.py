@@ -5,7 +5,11 @@ Protocol (``fedppl_experiments.sgp_uci``): the split standardised on its trainin
 to K = 10 clients at random, sequential schedule, M = 100, ``--local-steps`` Adam(1e-2) steps
 per visit. Variants:
 
-* ``default``: ``--rounds`` rounds, App. D's initial precision 100 for q(beta) and q(Z);
+Every variant but the last group starts from the paper's DPO (``PAPER_DPO``: q(Z)'s sds
+learnt, alpha = 0.1, a diagonal S_k), which was FederatedSGP's default before the remedy:
+
+* ``default``: the paper's DPO, ``--rounds`` rounds, App. D's initial precision 100 for q(beta)
+  and q(Z);
 * ``init_precision=1``: q(beta) and q(Z) start at precision 1;
 * ``rounds x3``: three times the rounds;
 * ``Z at the data``: Z held at 100 random training inputs (global VI's start), as a fixed point;
@@ -21,6 +25,16 @@ per visit. Variants:
 * ``fedavg-z``: the same DPO factors with a point Z averaged by FedAvg instead of q(Z);
 * ``global, Z at the data``: centralised VI with Z held where ``Z at the data`` holds it;
 * ``global``: centralised VI (``--global-rounds`` rounds), the reference.
+
+The remedy (q(Z)'s sds held, not learnt; its means learnt; ``sd`` is q(Z)'s sd in standardised
+input units, ``1 / sqrt(inducing_precision)``):
+
+* ``sd held at 0.1``: q(Z)'s sds held at their start, the paper's alpha;
+* ``sd held at 0.1, alpha=0.01``; ``sd held at 0.1, alpha=0.01, covariance=noise``;
+* ``sd held at 0.01, alpha=0``; ``sd held at 0.01, alpha=0, covariance=noise``;
+
+``sd held at 0.1, alpha=0.01, covariance=noise`` is ``FederatedSGP("dpo")``'s default now
+(``DPO_DEFAULTS``).
 
 Each row reports the exact free energy of the final q, its change over the last 10 rounds (still
 climbing or not), the test log-likelihood and RMSE in original units, the learnt noise sd
@@ -47,7 +61,7 @@ import optax
 
 from fedppl.algorithms import sgp_pvi
 from fedppl.families import gaussian as g
-from fedppl.infer.sparse_gps import SGPConfig
+from fedppl.infer.sparse_gps import PAPER_DPO, SGPConfig
 from fedppl_experiments import sgp_uci
 
 jax.config.update("jax_enable_x64", True)
@@ -75,7 +89,9 @@ def main() -> None:
     X, mask = (np.asarray(a) for a in (prep.clients.stacked[0], prep.clients.mask))
     train = X[mask]
     Z0 = train[np.random.default_rng(0).choice(len(train), 100, replace=False)]
-    base = {"local_steps": args.local_steps, "inner_steps": args.local_steps}  # FedAvg-Z's too
+    steps = {"local_steps": args.local_steps, "inner_steps": args.local_steps}  # FedAvg-Z's too
+    base = {**steps, **PAPER_DPO}
+    held = {"learn_inducing_sd": False}
     variants = [
         ("default", "dpo", args.rounds, {}),
         ("init_precision=1", "dpo", args.rounds, {"init_precision": 1.0}),
@@ -95,6 +111,14 @@ def main() -> None:
         ("fedavg-z", "fedavg-z", args.rounds, {}),
         ("global, Z at the data", "global", args.global_rounds, {"fixed_inducing": Z0}),
         ("global", "global", args.global_rounds, {}),
+        ("sd held at 0.1", "dpo", args.rounds, held),
+        ("sd held at 0.1, alpha=0.01", "dpo", args.rounds, {**held, "alpha": 0.01}),
+        ("sd held at 0.1, alpha=0.01, covariance=noise", "dpo", args.rounds,
+         {**held, "alpha": 0.01, "covariance": "noise"}),
+        ("sd held at 0.01, alpha=0", "dpo", args.rounds,
+         {**held, "alpha": 0.0, "inducing_precision": 1e4}),
+        ("sd held at 0.01, alpha=0, covariance=noise", "dpo", args.rounds,
+         {**held, "alpha": 0.0, "inducing_precision": 1e4, "covariance": "noise"}),
     ]
     if args.only:
         unknown = set(args.only) - {v[0] for v in variants}
@@ -105,7 +129,8 @@ def main() -> None:
     rows = []
     for name, method, rounds, extra in variants:
         t0 = time.perf_counter()
-        r = sgp_uci.fit_one(method, prep, rounds, SGPConfig(**base, **extra), keep_result=True)
+        r = sgp_uci.fit_one(method, prep, rounds, SGPConfig(**{**base, **extra}),
+                            keep_result=True)
         fe = np.asarray(r["history"]["free_energy"])
         state = r["result"].state
         log_beta, _ = g.to_moments(sgp_pvi.q_beta(state))

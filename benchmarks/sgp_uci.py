@@ -2,8 +2,10 @@
 
 Part 1 (accuracy): every method of :mod:`fedppl_experiments.sgp_uci` (DPO, CPO, FedAvg-Z, fixed Z,
 FSGP, global VI) on each dataset, K = 10 homogeneous clients, M = 100, M_k = min(0.8 N_k, 500),
-alpha = 0.1, Adam 1e-2; mean +- standard error of the test log-likelihood and RMSE (original
-units) over splits, rounds to convergence and seconds per round.
+each method's default settings (DPO: ``DPO_DEFAULTS``, q(Z)'s sds held; the others the paper's
+alpha = 0.1), Adam 1e-2; mean +- standard error of the test log-likelihood and RMSE (original
+units) over splits, rounds to convergence and seconds per round. ``--merge`` pools runs made
+apart, and can rename a method on the way in (the paper's DPO rows as ``dpo-paper``).
 
 Part 2 (speed): seconds per synchronous round (all clients at once, ``vmap`` over clients) for
 K = 10 and K = 1000 clients of synthetic 1-D data, median of repeats.
@@ -54,8 +56,9 @@ def parse() -> argparse.Namespace:
     p.add_argument("--rounds-for", nargs="*", default=["global=30"], metavar="METHOD=N",
                    help="other round counts per method (global: 30 rounds = 30 x local-steps "
                         "full-batch steps)")
-    p.add_argument("--merge", nargs="*", default=[], metavar="JSON",
-                   help="only combine earlier result files into one table and --out")
+    p.add_argument("--merge", nargs="*", default=[], metavar="JSON[::OLD=NEW,...]",
+                   help="only combine earlier result files into one table and --out; a suffix "
+                        "::OLD=NEW renames method OLD of that file (e.g. ::dpo=dpo-paper)")
     p.add_argument("--max-train", type=int, default=None,
                    help="subsample training rows of large sets (default: all)")
     p.add_argument("--large", nargs="*", default=LARGE,
@@ -93,10 +96,20 @@ def _cell(vals: list[float], digits: int = 3) -> str:
     return text if not failed else f"{text} ({len(ok)} of {len(v)}; {failed} failed)"
 
 
+def _fewer(cell: str, have: int, runs: list) -> str:
+    """A cell over fewer splits than its row's: the count beside it (``-`` where none)."""
+    if have == 0:
+        return "-"
+    return cell if have == len(runs) else f"{cell} ({have} split{'s' * (have > 1)})"
+
+
 def table(results: dict, methods: list[str], metric: str) -> str:
     lines = ["| dataset (splits) | " + " | ".join(methods) + " |", "|---|" + "---:|" * len(methods)]
     for name, runs in results.items():
-        cells = [_cell([r[m][metric] for r in runs]) for m in methods]
+        cells = []
+        for m in methods:
+            vals = [r[m][metric] for r in runs if m in r]
+            cells.append(_fewer(_cell(vals) if vals else "", len(vals), runs))
         lines.append(f"| {name} ({len(runs)}) | " + " | ".join(cells) + " |")
     return "\n".join(lines)
 
@@ -106,9 +119,13 @@ def gap_table(results: dict, methods: list[str]) -> str:
     others = [m for m in methods if m != "global"]
     lines = ["| dataset (splits) | " + " | ".join(others) + " |", "|---|" + "---:|" * len(others)]
     for name, runs in results.items():
-        if "global" not in runs[0]:
+        if not any("global" in r for r in runs):
             continue
-        cells = [_cell([r[m]["log_lik"] - r["global"]["log_lik"] for r in runs]) for m in others]
+        cells = []
+        for m in others:
+            vals = [r[m]["log_lik"] - r["global"]["log_lik"] for r in runs
+                    if m in r and "global" in r]
+            cells.append(_fewer(_cell(vals) if vals else "", len(vals), runs))
         lines.append(f"| {name} ({len(runs)}) | " + " | ".join(cells) + " |")
     return "\n".join(lines)
 
@@ -118,8 +135,11 @@ def rounds_table(results: dict, methods: list[str]) -> str:
     for name, runs in results.items():
         cells = []
         for m in methods:
-            r2c = [r[m]["rounds_to_convergence"] for r in runs]
-            spr = np.nanmedian([r[m]["seconds_per_round"] for r in runs])
+            if not any(m in r for r in runs):
+                cells.append("-")
+                continue
+            r2c = [r[m]["rounds_to_convergence"] for r in runs if m in r]
+            spr = np.nanmedian([r[m]["seconds_per_round"] for r in runs if m in r])
             med = np.median([x for x in r2c if x is not None]) if any(
                 x is not None for x in r2c) else float("nan")
             cells.append(f"{med:.0f} ({spr:.2f} s)")
@@ -206,7 +226,8 @@ def main() -> None:
 
 
 def write(args: argparse.Namespace, results: dict, speeds: dict, meta: dict) -> None:
-    methods = list(next(iter(results.values()))[0]) if results else args.methods
+    methods = list(dict.fromkeys(m for runs in results.values() for r in runs for m in r))
+    methods = methods or args.methods
     parts = []
     if results:
         parts += ["### test log-likelihood (original units)\n\n"
@@ -233,19 +254,33 @@ def write(args: argparse.Namespace, results: dict, speeds: dict, meta: dict) -> 
     print(f"\nwrote {args.out}")
 
 
+def _renames(item: str) -> tuple[str, dict[str, str]]:
+    """``PATH::old=new,old2=new2`` -> ``(PATH, {old: new, ...})``."""
+    path, _, spec = item.partition("::")
+    pairs = [p.split("=") for p in spec.split(",") if p]
+    if any(len(p) != 2 for p in pairs):
+        raise SystemExit(f"--merge {item!r}: write renames as PATH::OLD=NEW,OLD2=NEW2")
+    return path, dict(pairs)  # type: ignore[arg-type]
+
+
 def merge(args: argparse.Namespace) -> None:
-    """Combine result files of separate runs (sets or splits run side by side, or an earlier
-    merge): a dataset's splits from all files are pooled; a (dataset, split) seen twice is kept
-    once, from the last file naming it."""
+    """Combine result files of separate runs (sets, splits or methods run side by side, or an
+    earlier merge): a dataset's splits from all files are pooled, and a split's methods; a
+    (dataset, split, method) seen twice is kept once, from the last file naming it. A method
+    can be renamed on the way in (``PATH::old=new``), e.g. to keep an earlier default's rows
+    beside the new default's."""
     results: dict[str, dict[int, dict]] = {}
     speeds, parts = {}, []
-    for path in args.merge:
+    for item in args.merge:
+        path, rename = _renames(item)
         d = json.loads(Path(path).read_text())
         for name, runs in d["results"].items():
             for i, rows in enumerate(runs):
                 # rows written before splits were recorded are the first splits, in order
                 split = next(iter(rows.values())).get("split", i)
-                results.setdefault(name, {})[split] = rows
+                named = {rename.get(m, m): {**r, "method": rename.get(m, m), "split": split}
+                         for m, r in rows.items()}
+                results.setdefault(name, {}).setdefault(split, {}).update(named)
         speeds.update({int(k): v for k, v in d.get("timing", {}).items()})
         parts += d.get("merged_from") or [
             {"file": path, "settings": d["settings"], "wall_seconds": d["wall_seconds"]}]
