@@ -44,8 +44,9 @@ def register(sub: argparse._SubParsersAction) -> None:
                    help="Adam steps per local update (200)")
     p.add_argument("--inducing", type=positive_int, default=100,
                    help="M, inducing locations (100)")
-    p.add_argument("--alpha", type=non_negative, default=0.1,
-                   help="scale of the KL on q(Z) (0.1)")
+    p.add_argument("--alpha", type=non_negative, default=None,
+                   help="scale of the KL on q(Z) (default: the method's, 0.01 for dpo, 0.1 "
+                        "for the others)")
     p.add_argument("--schedule", default="sequential", choices=["sequential", "synchronous"])
     p.add_argument("--max-train", type=positive_int, default=None,
                    help="subsample the training rows")

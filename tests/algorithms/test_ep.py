@@ -275,9 +275,11 @@ def test_non_gaussian_prior_enters_exactly(estimator):
     mcmc.run(jax.random.key(0), X, y)
     s = mcmc.get_samples()
     ref = np.c_[np.log(np.asarray(s["tau"])), np.asarray(s["w"])]
+    # the sample moments' Monte Carlo floor is higher than Stein's: twice the draws (with
+    # 2 x 500 log tau's mean was 0.15 sd off, at the tolerance; with 4 x 500 0.10, Stein's 0.07)
     res = fedppl.EP(shrinkage, fedppl.PVIGuide(shrinkage, family="fullrank"), num_warmup=200,
-                    num_samples=500, num_chains=2, estimator=estimator
-                    ).run(jax.random.key(0), clients, 8, progress_bar=False)
+                    num_samples=500, num_chains=4 if estimator == "sample" else 2,
+                    estimator=estimator).run(jax.random.key(0), clients, 8, progress_bar=False)
     layout = res.guide.layout
     order = np.concatenate([np.arange(layout.dim)[layout[n].slice] for n in ("tau", "w")])
     m, c = res.mean_and_cov()
