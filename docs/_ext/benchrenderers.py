@@ -92,6 +92,12 @@ def render_ep_vs_pvi(datas, options):
     return [Table(options.get("caption"), header, rows)]
 
 
+def _method_rows(seed):
+    """``(method, rows)`` of one seed's run: a method's rows are a list, or under ``"rows"``."""
+    for method, runs in seed["methods"].items():
+        yield method, runs if isinstance(runs, list) else runs.get("rows", [])
+
+
 def render_ep_hierarchical(datas, options):
     """Each method's last round against pooled NUTS (one row per method and file)."""
     header = [
@@ -105,8 +111,7 @@ def render_ep_hierarchical(datas, options):
     rows = []
     for name, data in datas:
         for seed in data["seeds"]:
-            for method, runs in seed["methods"].items():
-                runs = runs if isinstance(runs, list) else runs.get("rows", [])
+            for method, runs in _method_rows(seed):
                 if not runs:
                     continue
                 last = runs[-1]
@@ -144,8 +149,7 @@ def render_ep_rounds(datas, options):
     rows = []
     for name, data in datas:
         for seed in data["seeds"]:
-            for method, runs in seed["methods"].items():
-                runs = runs if isinstance(runs, list) else runs.get("rows", [])
+            for method, runs in _method_rows(seed):
                 for r in runs:
                     if "clients_active" not in r:
                         continue
