@@ -66,7 +66,7 @@ from fedppl.optimise import minimise
 __all__ = ["BNRParams", "Settings", "ServerState", "ClientState", "KernelMessage", "LastLayer",
            "KERNELS", "init_params", "init_server", "init_clients", "make_trio", "neg_log_ml",
            "client_stats", "last_layers", "private_last_layers", "predict", "kd_loss",
-           "kd_server_update"]
+           "kd_server_update", "secure_summand", "secure_message"]
 
 KERNELS = ("avg", "kd", "local", "central")
 
@@ -368,6 +368,28 @@ def _client_evaluate(privacy: dp_statistics.Mechanism | None, candidate: tuple[B
                                            key)
 
     return jax.vmap(one)(kernels, keys)
+
+
+# -- secure aggregation: the server gets only the sum of the messages ------------------------
+
+
+def secure_summand(server: ServerState, msg: KernelMessage) -> tuple[KernelMessage, Array]:
+    """What a client adds into a secure sum (SecAgg+, :mod:`fedppl.runtime.secagg`) in place of
+    ``msg``, and whether the server would accept ``msg`` (finite kernel parameters: FedAvg's
+    check), checked by the client, as the server sees only the sum. In phase 2 the server
+    ignores the messages (and ``log_ml`` is NaN): zeros, accepted. Secure aggregation serves
+    the shared ``"avg"`` kernel only: ``"kd"`` distils each client's kernel, ``"local"`` keeps
+    them apart."""
+    finite = fedavg.all_finite(trees.broadcast(msg.params, 1))[0]
+    zero = jax.tree_util.tree_map(jnp.zeros_like, msg)
+    return _where(server.done, zero, msg), server.done | finite
+
+
+def secure_message(server: ServerState, total: KernelMessage, n: int) -> KernelMessage:
+    """One of ``n`` equal messages that the server update folds as it folds the ``n`` messages
+    whose summands (:func:`secure_summand`) add to ``total``: their mean (FedAvg's uniform
+    weights; the rows' summed ``log_ml`` is the total's)."""
+    return jax.tree_util.tree_map(lambda x: x / n, total)
 
 
 def _aggregate(settings: Settings, server: ServerState, params: BNRParams, received: Array

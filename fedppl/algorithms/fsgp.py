@@ -58,7 +58,7 @@ import jax.scipy.linalg as jsl
 import optax
 from jax import Array
 
-from fedppl import dp_statistics
+from fedppl import dp_statistics, trees
 from fedppl.algorithms import exact, fedavg
 from fedppl.algorithms.trio import Trio
 from fedppl.models import sparse_gp
@@ -68,7 +68,7 @@ from fedppl.optimise import minimise
 __all__ = ["FSGPParams", "ServerState", "Message", "TRAIN", "AGGREGATE", "DEFAULT_JITTER",
            "init_params", "kuu", "bound", "client_loss", "client_stats", "plausible", "init",
            "client_update", "server_update", "make_trio", "predict", "inducing_posterior",
-           "private_client_stats", "whitened_features"]
+           "private_client_stats", "whitened_features", "secure_summand", "secure_message"]
 
 DEFAULT_JITTER = 1e-6  # absolute jitter on C_MM (FSGP's convention; the HVM's is relative)
 TRAIN, AGGREGATE = 0, 1
@@ -247,6 +247,30 @@ def server_update(state: ServerState, msgs: Message, received: Array, private: b
         return state._replace(stats=stats, round=state.round + 1, repaired=repaired), ok
 
     return jax.lax.cond(state.phase == TRAIN, average, add, None)
+
+
+# -- secure aggregation: the server gets only the sum of the messages ------------------------
+
+
+def secure_summand(state: ServerState, msg: Message) -> tuple[Message, Array]:
+    """What a client adds into a secure sum (SecAgg+, :mod:`fedppl.runtime.secagg`) in place of
+    ``msg``: its parameters times its count ``N_k`` and its statistics; and whether
+    :func:`server_update` would accept ``msg`` (finite parameters; :func:`plausible` statistics
+    in the aggregation round), checked by the client, as the server sees only the sum."""
+    count = msg.stats.count
+    finite = fedavg.all_finite(trees.broadcast(msg.params, 1))[0]  # FedAvg's check, one client
+    ok = jnp.where(state.phase == TRAIN, finite, plausible(msg.stats))
+    weighted = jax.tree_util.tree_map(lambda p: p * count, msg.params)
+    return Message(weighted, msg.stats), ok
+
+
+def secure_message(state: ServerState, total: Message, n: int) -> Message:
+    """One of ``n`` equal messages that :func:`server_update` folds as it folds the ``n``
+    messages whose summands (:func:`secure_summand`) add to ``total``: the count-weighted mean
+    of the parameters (FedAvg's), ``1/n`` of the statistics (the sum)."""
+    count = total.stats.count
+    mean = jax.tree_util.tree_map(lambda p: p / jnp.where(count > 0, count, 1.0), total.params)
+    return Message(mean, jax.tree_util.tree_map(lambda s: s / n, total.stats))
 
 
 def make_trio(optimizer: optax.GradientTransformation, steps: int,

@@ -1,16 +1,27 @@
-"""Secure aggregation (Flower's SecAgg+) of what a server needs only the sum of: the exact
-methods' sufficient statistics (FedBNR's last layer, FSGP's and the conjugate models' ``X'X``,
-``X'y``), FedAvg's totals. The server learns the sum and nothing about any one client's
-contribution (extra ``flower``).
+"""Secure aggregation (Flower's SecAgg+) of what a server needs only the sum of (extra
+``flower``). The server learns the sum over the nodes and nothing about any one node's part.
 
-A :class:`SumTask` names the statistics each node computes on its own partition;
-:func:`secure_sum` runs the SecAgg+ protocol over them on Flower's Simulation Engine and
-:func:`secure_sum_apps` gives the ServerApp and ClientApp for ``flwr run`` (the node's ClientApp
-carries Flower's ``secaggplus_mod``: it masks the node's vector before it leaves; the server
-unmasks only the total). SecAgg+ works on integers: each entry is divided by the task's public
-``scale`` (every entry of every node's statistics must lie in ``[-scale, scale]``; a node whose
-do not is refused by name rather than clipped) and quantised to ``2**22`` levels, so the sum is
-exact to ``num_clients * scale / 2**21`` per entry.
+Two uses of one protocol:
+
+* inside a method's rounds on Flower: ``Task(..., secure=SecureSum(scale))`` sends each
+  exchange of FSGP and FedBNR through SecAgg+ (:mod:`fedppl.runtime.flower`; which methods and
+  why: the FSGP guide's "Secure aggregation inside the rounds");
+* once, over statistics each node computes on its own partition: a :class:`SumTask` summed by
+  :func:`secure_sum` (Simulation Engine) or :func:`secure_sum_apps` (``flwr run``).
+
+Either way the node's ClientApp carries :func:`secure_mod` (Flower's ``secaggplus_mod`` for the
+train messages that ask for it): it masks the node's vector before it leaves; the server runs
+Flower's ``SecAggPlusWorkflow`` (:func:`secure_exchange`), adds the masked vectors and removes
+the masks of the sum only. No cryptography is written here: this module encodes and checks.
+
+**Quantisation.** SecAgg+ adds integers. A node divides its vector by the public ``scale`` (an
+entry beyond it is refused, naming the node, not clipped) and sends each entry ``u`` of
+``[-1, 1]`` as two limbs: ``u`` rounded to SecAgg+'s grid of ``2**22`` levels, which its
+quantiser then keeps exactly, and the remainder times ``2**22``, which it rounds to the same
+grid. The sum over ``n`` nodes is then exact to ``n * scale * 2**-43`` per entry
+(:func:`error_bound` allows ``2**-42``, for float round-off), where one limb would give
+``n * scale * 2**-21``: with ``scale = 1e3`` and 3 nodes, 7e-10 in place of 1.4e-3, at twice the
+bytes. The limbs' sums stay below SecAgg+'s modulus ``2**32`` for up to 1023 nodes.
 
 Example (three nodes' ``X'X`` and ``X'y``; the statistics function must be importable by the
 Simulation Engine's workers, as any ClientApp's code)::
@@ -23,29 +34,330 @@ Simulation Engine's workers, as any ClientApp's code)::
 
 from __future__ import annotations
 
+import contextlib
+import logging
 import os
-from collections.abc import Callable
-from typing import Any, NamedTuple
+import time
+from collections.abc import Callable, Mapping
+from typing import Any, NamedTuple, cast
 
 import jax
 import numpy as np
 
 try:
     os.environ.setdefault("FLWR_TELEMETRY_ENABLED", "0")
-    from flwr.client import ClientApp, NumPyClient
+    from flwr.app import ArrayRecord, ConfigRecord, Context, Message, RecordDict
     from flwr.client.mod import secaggplus_mod
-    from flwr.common import Context, parameters_to_ndarrays
-    from flwr.server import ServerApp, ServerConfig
+    from flwr.clientapp import ClientApp
+    from flwr.common import (
+        Code,
+        FitIns,
+        FitRes,
+        Parameters,
+        Status,
+        bytes_to_ndarray,
+        ndarrays_to_parameters,
+        parameters_to_ndarrays,
+    )
+    from flwr.common.secure_aggregation.secaggplus_constants import RECORD_KEY_CONFIGS, Key
+    from flwr.compat.common import recorddict_compat as compat
     from flwr.server.compat import LegacyContext
+    from flwr.server.compat.grid_client_proxy import GridClientProxy
     from flwr.server.strategy import FedAvg
-    from flwr.server.workflow import DefaultWorkflow, SecAggPlusWorkflow
+    from flwr.server.workflow import SecAggPlusWorkflow
+    from flwr.server.workflow.constant import MAIN_CONFIGS_RECORD, MAIN_PARAMS_RECORD
+    from flwr.server.workflow.constant import Key as WorkflowKey
+    from flwr.serverapp import Grid, ServerApp
 except ImportError as err:  # pragma: no cover - depends on the environment
     raise ImportError("fedppl.runtime.secagg needs Flower: pip install 'fedppl[flower]'") from err
 
-__all__ = ["SumTask", "secure_sum", "secure_sum_apps", "QUANTIZATION"]
+__all__ = ["SecureSum", "Summed", "SumTask", "secure_sum", "secure_sum_apps", "secure_exchange",
+           "secure_mod", "summand_content", "request", "requested", "error_bound", "size_of",
+           "as_tree", "share",
+           "QUANTIZATION"]
 
-#: SecAgg+'s quantisation levels over [-1, 1], after the values are scaled into that range.
+#: SecAgg+'s quantisation levels over [-1, 1] (each of a value's two limbs is on this grid).
 QUANTIZATION = 2**22
+_HALF = QUANTIZATION // 2
+_REQUEST = "fedppl.secure"  # the config record of a round message that asks for SecAgg+
+
+
+class SecureSum(NamedTuple):
+    """Secure aggregation's public settings.
+
+    ``scale``: a bound on every entry of what a node adds into the sum (a node whose entries
+    exceed it refuses to send, naming itself); the sum's error per entry is at most
+    :func:`error_bound` ``(scale, n)``. ``threshold``: the fraction of a node's neighbours (here
+    every other node) whose key shares unmask the sum; the server learns one node's vector only
+    if at least that many nodes collude with it, and the sum survives as long as that many nodes
+    answer every stage (at least 2).
+    """
+
+    scale: float
+    threshold: float = 2 / 3
+
+
+def error_bound(scale: float, n: int) -> float:
+    """The largest error per entry of a sum over ``n`` nodes (two limbs; float round-off
+    included).
+
+    >>> error_bound(1e3, 3) < 1e-9
+    True
+    """
+    return float(n) * float(scale) * 2.0**-42
+
+
+# -- the node's side -------------------------------------------------------------------------
+
+
+def _flat(summand: Any, scale: float, who: str) -> np.ndarray:
+    """The summand's leaves as one float vector, after checking each is finite and within
+    ``scale`` (a ``ValueError`` names ``who`` and the leaf)."""
+    parts = []
+    for path, leaf in jax.tree_util.tree_flatten_with_path(summand)[0]:
+        x = np.asarray(leaf, np.float64)
+        name = jax.tree_util.keystr(path) or "its value"
+        if not np.all(np.isfinite(x)):
+            raise ValueError(f"{who}: {name} is not finite; not sent")
+        top = float(np.max(np.abs(x), initial=0.0))
+        if top > scale:
+            raise ValueError(f"{who}: {name} reaches {top:.4g}, beyond the task's scale "
+                             f"{scale:g} (SecureSum.scale, public); raise the scale")
+        parts.append(x.ravel())
+    return np.concatenate(parts) if parts else np.zeros(0)
+
+
+def _limbs(u: np.ndarray) -> list[np.ndarray]:
+    """``u`` in [-1, 1] as two vectors on SecAgg+'s grid (module doc): ``u`` rounded to it,
+    and the remainder times ``QUANTIZATION``."""
+    high = np.round((u + 1.0) * _HALF) / _HALF - 1.0
+    return [high, (u - high) * QUANTIZATION]
+
+
+def summand_content(summand: Any, scale: float, who: str) -> RecordDict:
+    """What a node answers SecAgg+'s masking stage with: ``summand`` (a pytree of float arrays)
+    divided by ``scale`` and split into its limbs, as the ``FitRes`` that ``secaggplus_mod``
+    reads. A ``ValueError`` names ``who`` when an entry is not finite or exceeds ``scale``."""
+    limbs = _limbs(_flat(summand, scale, who) / scale)
+    fitres = FitRes(Status(Code.OK, ""), ndarrays_to_parameters(limbs), 1, {})
+    return compat.fitres_to_recorddict(fitres, keep_input=True)
+
+
+def request(content: RecordDict, secure: SecureSum, exchange: str) -> RecordDict:
+    """``content`` (a round message's) marked as asking for SecAgg+ (``exchange``: ``"train"``
+    or ``"evaluate"``)."""
+    content.config_records[_REQUEST] = ConfigRecord({"scale": float(secure.scale),
+                                                     "exchange": exchange})
+    return content
+
+
+def requested(content: RecordDict) -> dict[str, Any] | None:
+    """What a round message asks of SecAgg+ (``scale``, ``exchange``), or None (a plain one)."""
+    if _REQUEST not in content.config_records:
+        return None
+    return dict(content.config_records[_REQUEST])
+
+
+def secure_mod(msg: Message, context: Context, call_next: Callable) -> Message:
+    """Flower's ``secaggplus_mod`` for a train message that carries SecAgg+'s stage (every
+    secure one); any other message goes straight to the ClientApp."""
+    if RECORD_KEY_CONFIGS in msg.content.config_records:
+        return secaggplus_mod(msg, context, call_next)
+    return call_next(msg, context)
+
+
+# -- the server's side -----------------------------------------------------------------------
+
+
+def size_of(like: Any) -> int:
+    """How many entries the leaves of ``like`` (arrays or ``jax.ShapeDtypeStruct``) hold."""
+    return int(sum(np.prod(np.shape(x), dtype=int) for x in jax.tree_util.tree_leaves(like)))
+
+
+def as_tree(flat: np.ndarray, like: Any) -> Any:
+    """``flat`` (a sum's entries, in :func:`summand_content`'s order) shaped as ``like``'s
+    leaves, in their dtypes (NumPy leaves)."""
+    leaves, tree = jax.tree_util.tree_flatten(like)
+    parts = np.split(np.asarray(flat), np.cumsum([np.size(x) for x in leaves])[:-1])
+
+    def leaf(part: np.ndarray, x: Any) -> np.ndarray:
+        dtype = np.dtype(x.dtype)
+        part = np.rint(part) if dtype.kind in "iub" else part  # a count is summed exactly
+        return np.reshape(part, np.shape(x)).astype(dtype)
+
+    return jax.tree_util.tree_unflatten(tree, [leaf(p, x) for p, x in zip(parts, leaves,
+                                                                          strict=True)])
+
+
+def share(total: Any, n: int, i: int) -> Any:
+    """Part ``i`` of ``n`` parts that add up to ``total`` (a pytree): ``1/n`` of each float
+    leaf; integer leaves as evenly as integers go."""
+
+    def part(x: Any) -> Any:
+        x = np.asarray(x)
+        if x.dtype.kind in "iu":
+            q, r = np.divmod(x, n)
+            return (q + (i < r)).astype(x.dtype)
+        return x / n
+
+    return jax.tree_util.tree_map(part, total)
+
+
+class Summed(NamedTuple):
+    """One secure exchange's outcome: ``total`` (the flat sum, None if SecAgg+ halted), the
+    ``nodes`` it covers, why each other node is not in it (``errors``), and the traffic
+    (messages up, down, bytes up, down)."""
+
+    total: np.ndarray | None
+    nodes: frozenset[int]
+    errors: dict[int, str]
+    traffic: np.ndarray
+
+
+Send = Callable[[list[Message], float | None], list[Message]]
+
+
+def secure_exchange(send: Send, contents: Mapping[int, RecordDict], secure: SecureSum,
+                    size: int, *, group: int = 0, timeout: float | None = None) -> Summed:
+    """One SecAgg+ run (Flower's ``SecAggPlusWorkflow``) over the nodes ``contents`` names: each
+    node gets its content (a round message marked by :func:`request`) with the masking stage
+    and answers with :func:`summand_content` of a ``size``-entry vector; returns the sum.
+    ``send(messages, timeout)``: the ServerApp's ``grid.send_and_receive``."""
+    if len(contents) < 2:
+        raise ValueError(f"secure aggregation needs at least 2 nodes, got {len(contents)}")
+    watched = _Watched(send, size)
+    strategy = _Collect(list(contents))
+    context = LegacyContext(Context(run_id=0, node_id=0, node_config={}, state=RecordDict(),
+                                    run_config={}), strategy=strategy)
+    context.state.config_records[MAIN_CONFIGS_RECORD] = ConfigRecord(
+        {WorkflowKey.CURRENT_ROUND: int(group)})
+    context.state.array_records[MAIN_PARAMS_RECORD] = ArrayRecord()
+    workflow = _Workflow(contents, num_shares=1.0, reconstruction_threshold=float(secure.threshold),
+                         max_weight=1.0, clipping_range=1.0, quantization_range=QUANTIZATION,
+                         timeout=timeout)
+    with _quiet():
+        workflow(watched, context)  # type: ignore[arg-type]
+    errors = watched.errors
+    if strategy.mean is None:
+        for nid in contents:
+            errors.setdefault(nid, "secure aggregation halted: fewer nodes answered than its "
+                                   "threshold")
+        return Summed(None, frozenset(), errors, watched.traffic)
+    n = len(strategy.nodes)
+    high, low = (np.asarray(m, np.float64) * n for m in strategy.mean)
+    for nid in set(contents) - strategy.nodes:
+        errors.setdefault(nid, "left out of the secure sum")
+    return Summed(secure.scale * (high + low / QUANTIZATION), frozenset(strategy.nodes), errors,
+                  watched.traffic)
+
+
+@contextlib.contextmanager
+def _quiet():
+    """Flower's log without its information lines while the block runs (the SecAgg+ workflow
+    reports every stage of every round; its warnings and errors still show)."""
+
+    def keep(record: logging.LogRecord) -> bool:
+        return record.levelno >= logging.WARNING
+
+    logger = logging.getLogger("flwr")
+    logger.addFilter(keep)
+    try:
+        yield
+    finally:
+        logger.removeFilter(keep)
+
+
+class _Workflow(SecAggPlusWorkflow):
+    """Flower's SecAgg+ workflow whose masking stage sends each node its own round message."""
+
+    def __init__(self, contents: Mapping[int, RecordDict], **settings: Any):
+        super().__init__(**settings)
+        self.contents = contents
+
+    def setup_stage(self, grid, context, state) -> bool:
+        ok = super().setup_stage(grid, context, state)
+        state.nid_to_fitins = {nid: self.contents[nid] for nid in state.nid_to_fitins}
+        return ok
+
+
+class _Collect(FedAvg):
+    """The strategy SecAgg+'s workflow asks: every node in ``nodes`` takes part; it keeps the
+    unmasked mean of the limbs and which nodes it covers."""
+
+    def __init__(self, nodes: list[int]):
+        super().__init__(fraction_evaluate=0.0, min_fit_clients=len(nodes),
+                         min_available_clients=len(nodes))
+        self.node_ids = nodes
+        self.mean: list[np.ndarray] | None = None
+        self.nodes: frozenset[int] = frozenset()
+
+    def configure_fit(self, server_round, parameters, client_manager):
+        return [(GridClientProxy(nid, None, 0), FitIns(Parameters([], ""), {}))  # type: ignore
+                for nid in self.node_ids]
+
+    def aggregate_fit(self, server_round, results, failures):
+        if results:  # after unmasking every result carries the same (mean) parameters
+            self.nodes = frozenset(proxy.node_id for proxy, _ in results)
+            self.mean = parameters_to_ndarrays(results[0][1].parameters)
+        return None, {}
+
+
+class _Watched:
+    """The ServerApp's grid as SecAgg+'s workflow uses it, through ``send``: it notes why a node
+    drops out (its error, no answer, a masked vector of the wrong shape, which it withholds
+    from the workflow so that the node counts as dropped) and counts the traffic."""
+
+    def __init__(self, send: Send, size: int):
+        self.send, self.size = send, size
+        self.errors: dict[int, str] = {}
+        self.traffic = np.zeros(4, np.int64)
+
+    def send_and_receive(self, messages, *, timeout: float | None = None) -> list[Message]:
+        messages = list(messages)
+        self.traffic[[1, 3]] += (len(messages), sum(_bytes(m.content) for m in messages))
+        replies = []
+        for m in self.send(messages, timeout):
+            nid = m.metadata.src_node_id
+            if m.has_error():
+                lines = [ln for ln in str(m.error.reason).splitlines() if ln.strip()]
+                self.errors.setdefault(nid, f"the node failed: {(lines or ['?'])[-1][-300:]}")
+            else:
+                self.traffic[[0, 2]] += (1, _bytes(m.content))
+                wrong = self._wrong_shape(m.content)
+                if wrong:
+                    self.errors.setdefault(nid, wrong)
+                    continue
+            replies.append(m)
+        answered = {m.metadata.src_node_id for m in replies}
+        for m in messages:
+            if m.metadata.dst_node_id not in answered:
+                self.errors.setdefault(m.metadata.dst_node_id, "no answer" + (
+                    "" if timeout is None else f" within {timeout:g} s"))
+        return replies
+
+    def _wrong_shape(self, content: RecordDict) -> str | None:
+        configs = content.config_records.get(RECORD_KEY_CONFIGS)
+        if configs is None or Key.MASKED_PARAMETERS not in configs:
+            return None
+        shapes = [bytes_to_ndarray(b).shape
+                  for b in cast(list[bytes], configs[Key.MASKED_PARAMETERS])]
+        want = [(1,), (self.size,), (self.size,)]  # SecAgg+'s weight factor, then the limbs
+        if shapes != want:
+            return f"sent a masked vector of shapes {shapes}, expected {want}"
+        return None
+
+
+def _bytes(content: RecordDict) -> int:
+    """Bytes of a message's arrays and of the bytes in its config records (SecAgg+'s keys,
+    shares and masked vectors travel there)."""
+    arrays = sum(a.numpy().nbytes for rec in content.array_records.values()
+                 for a in rec.values())
+    raw = sum(len(b) for rec in content.config_records.values() for v in rec.values()
+              for b in (v if isinstance(v, list) else [v]) if isinstance(b, bytes))
+    return int(arrays + raw)
+
+
+# -- one sum over the nodes' statistics ------------------------------------------------------
 
 
 class SumTask(NamedTuple):
@@ -61,76 +373,50 @@ class SumTask(NamedTuple):
     timeout: float | None = 120.0
 
 
-class _Node(NumPyClient):
-    def __init__(self, task: SumTask, partition: int):
-        self.task, self.partition = task, partition
-
-    def _leaves(self) -> list[np.ndarray]:
-        stats = self.task.statistics(self.partition)
-        leaves = [np.asarray(x, np.float64) for x in jax.tree_util.tree_leaves(stats)]
-        like = jax.tree_util.tree_leaves(self.task.like)
-        if [x.shape for x in leaves] != [tuple(x.shape) for x in like]:
-            raise ValueError(f"partition {self.partition}: statistics of shapes "
-                             f"{[x.shape for x in leaves]}, the task expects "
-                             f"{[tuple(x.shape) for x in like]}")
-        for i, x in enumerate(leaves):
-            if not np.all(np.isfinite(x)):
-                raise ValueError(f"partition {self.partition}: statistics leaf {i} is not finite")
-            if np.any(np.abs(x) > self.task.scale):
-                raise ValueError(f"partition {self.partition}: statistics leaf {i} reaches "
-                                 f"{np.max(np.abs(x)):.4g}, beyond the task's scale "
-                                 f"{self.task.scale:g}; raise the scale")
-        return leaves
-
-    def get_parameters(self, config):  # the sizes, for the server's start
-        return [np.zeros(x.size) for x in self._leaves()]
-
-    def fit(self, parameters, config):
-        # sent flat: SecAgg+'s unmasking leaves a 0-d array's offset and ratio unapplied
-        return [np.ravel(x) / self.task.scale for x in self._leaves()], 1, {}
+def _statistics(task: SumTask, partition: int) -> Any:
+    """Partition ``partition``'s statistics, checked against the task's structure."""
+    stats = task.statistics(partition)
+    got = [np.shape(x) for x in jax.tree_util.tree_leaves(stats)]
+    want = [tuple(np.shape(x)) for x in jax.tree_util.tree_leaves(task.like)]
+    if got != want:
+        raise ValueError(f"partition {partition}: statistics of shapes {got}, the task expects "
+                         f"{want}")
+    return stats
 
 
-class _Sum(FedAvg):
-    """FedAvg over weight-1 contributions: SecAgg+ hands it the mean; it keeps the sum."""
-
-    def __init__(self, num_clients: int):
-        super().__init__(fraction_fit=1.0, fraction_evaluate=0.0, min_fit_clients=num_clients,
-                         min_available_clients=num_clients)
-        self.total: list[np.ndarray] | None = None
-        self.count = 0
-
-    def aggregate_fit(self, server_round, results, failures):
-        if results:  # every result carries the same (mean) parameters after unmasking
-            self.count = len(results)
-            mean = parameters_to_ndarrays(results[0][1].parameters)
-            self.total = [m * self.count for m in mean]
-        return super().aggregate_fit(server_round, results, failures)
-
-
-def secure_sum_apps(task: SumTask, done: Callable[[list[np.ndarray], int], None] | None = None
+def secure_sum_apps(task: SumTask, done: Callable[[Any, int], None] | None = None
                     ) -> tuple[ServerApp, ClientApp]:
-    """The ServerApp (one SecAgg+ round; ``done(total, count)`` receives the sum and how many
-    nodes it covers) and the ClientApp (with ``secaggplus_mod``)."""
+    """The ServerApp (one SecAgg+ exchange; ``done(total, count)`` receives the sum, shaped as
+    ``task.like``, and how many nodes it covers) and the ClientApp (with :func:`secure_mod`)."""
+    size = size_of(task.like)
     server_app = ServerApp()
 
     @server_app.main()
-    def main(grid, context: Context) -> None:
-        strategy = _Sum(task.num_clients)
-        legacy = LegacyContext(context, config=ServerConfig(num_rounds=1), strategy=strategy)
-        workflow = DefaultWorkflow(fit_workflow=SecAggPlusWorkflow(
-            num_shares=task.num_clients, reconstruction_threshold=max(2, task.num_clients - 1)
-            if task.num_clients > 2 else 1.0, max_weight=1.0, clipping_range=1.0,
-            quantization_range=QUANTIZATION, timeout=task.timeout))
-        workflow(grid, legacy)
-        if strategy.total is None:
-            raise RuntimeError("secure aggregation did not finish (too few nodes answered)")
+    def main(grid: Grid, context: Context) -> None:
+        deadline = time.monotonic() + (task.timeout or 120.0)
+        while len(nodes := sorted(grid.get_node_ids())) < task.num_clients:
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"only {len(nodes)} of {task.num_clients} nodes connected")
+            time.sleep(0.2)
+        secure = SecureSum(task.scale, max(2, task.num_clients - 1) / task.num_clients)
+        summed = secure_exchange(
+            lambda msgs, timeout: list(grid.send_and_receive(msgs, timeout=timeout)),
+            {nid: request(RecordDict(), secure, "sum") for nid in nodes}, secure, size,
+            timeout=task.timeout)
+        if summed.total is None:
+            raise RuntimeError(f"secure aggregation did not finish: {summed.errors}")
         if done is not None:
-            done([t * task.scale for t in strategy.total], strategy.count)
+            done(as_tree(summed.total, task.like), len(summed.nodes))
 
-    def client_fn(context: Context):
-        return _Node(task, int(context.node_config["partition-id"])).to_client()
+    client_app = ClientApp(mods=[secure_mod])
 
-    return server_app, ClientApp(client_fn=client_fn, mods=[secaggplus_mod])
+    @client_app.train()
+    def train(msg: Message, context: Context) -> Message:
+        k = int(context.node_config["partition-id"])
+        return Message(summand_content(_statistics(task, k), task.scale, f"partition {k}"),
+                       reply_to=msg)
+
+    return server_app, client_app
 
 
 def secure_sum(task: SumTask, *, verbose: bool = False) -> Any:
@@ -153,6 +439,4 @@ def secure_sum(task: SumTask, *, verbose: bool = False) -> Any:
     if out["count"] != task.num_clients:
         raise RuntimeError(f"secure aggregation covered {out['count']} of {task.num_clients} "
                            "nodes")
-    leaves, tree = jax.tree_util.tree_flatten(task.like)
-    return jax.tree_util.tree_unflatten(tree, [
-        np.reshape(t, np.shape(x)) for t, x in zip(out["total"], leaves, strict=True)])
+    return out["total"]

@@ -26,6 +26,11 @@ class Task(NamedTuple):
     message sent instead. The node keeps its true state: a fault changes only what leaves it.
     (A node that dies is a real process killed: :meth:`LocalDeployment.kill_node
     <fedppl.runtime.deployment.LocalDeployment.kill_node>`.)
+
+    ``secure``: a :class:`~fedppl.runtime.secagg.SecureSum` sends every exchange through Flower's
+    SecAgg+, so the server gets only the sum of the clients' messages (FSGP and FedBNR, whose
+    servers need no more; other methods are refused), or None (each message in the clear). It is
+    part of the task, built on every process, so each node also refuses to send in the clear.
     """
 
     method: Any
@@ -37,3 +42,4 @@ class Task(NamedTuple):
     round_timeout: float | None = None
     connect_timeout: float = 120.0
     fault: Callable[[int, int], Any] | None = None
+    secure: Any = None

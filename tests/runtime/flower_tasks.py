@@ -147,3 +147,13 @@ def secagg_statistics(k: int):
     clients, _ = _data("pvi-synchronous")
     X, y = clients.client(k)
     return exact.client_stats(np.hstack([X, np.ones((len(X), 1))]), y)
+
+
+SECURE_SCALE = 1e3  # a public bound on every entry of the clients' summands in these tasks
+
+
+def secure_task(run_config: dict[str, Any]) -> Task:
+    """:func:`task` with secure aggregation inside its rounds (``Task.secure``)."""
+    from fedppl.runtime.secagg import SecureSum
+
+    return task(run_config)._replace(secure=SecureSum(SECURE_SCALE))

@@ -128,10 +128,10 @@ def test_secure_aggregation_sums_the_statistics():
     moved = np.linalg.norm(np.asarray(c0), 2) * bound * (np.sqrt(dim) + dim * np.linalg.norm(m0))
     assert np.linalg.norm(np.asarray(m - m0)) <= 2 * moved
     # a node whose statistics exceed the public scale refuses to send them, naming itself
-    from fedppl.runtime.secagg import _Node
+    from fedppl.runtime.secagg import summand_content
 
     with pytest.raises(ValueError, match=r"partition 1: .* beyond the task's scale"):
-        _Node(task._replace(scale=1.0), 1).fit([], {})
+        summand_content(flower_tasks.secagg_statistics(1), 1.0, "partition 1")
 
 
 def test_private_pvi_noise_comes_from_the_node_not_the_server():
