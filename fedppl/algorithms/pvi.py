@@ -49,6 +49,7 @@ Bayesian linear regression, so the local step is in closed form)::
 from __future__ import annotations
 
 from collections.abc import Callable
+from functools import partial
 from typing import NamedTuple, Protocol, cast
 
 import jax
@@ -77,6 +78,8 @@ __all__ = [
 ]
 
 STEP_SIZES = tuple(2.0**-i for i in range(11))
+# the server's line search: never, in every synchronous round, or in the rounds it flags
+LINE_SEARCHES = (False, True, "adaptive")
 MAX_DIVERGENCE = 1e8
 
 # The server's reply is the step a client's delta was applied with (> 0), or 0 / a negative code
@@ -94,12 +97,16 @@ REFUSALS = {
 
 
 class ServerState(NamedTuple):
-    """The server's ``q = p~ t_0 prod_k t_k``, the round, and the prior factor ``t_0`` (None
-    when the prior is Gaussian in the unconstrained space, so ``p~`` is the prior itself)."""
+    """The server's ``q = p~ t_0 prod_k t_k``, the round, the prior factor ``t_0`` (None when
+    the prior is Gaussian in the unconstrained space, so ``p~`` is the prior itself), how far
+    the last update moved q (``KL(q_new || q_old)``, infinite before the first) and whether
+    that update was scored on the clients' data (a line search ran)."""
 
     q: g.Gaussian
     round: Array
     prior_factor: g.Gaussian | None = None
+    moved: Array | None = None
+    scored: Array | None = None
 
 
 class ClientState(NamedTuple):
@@ -237,7 +244,8 @@ def init(prior: g.Gaussian, factors: g.Gaussian, prior_factor: g.Gaussian | None
     axis 0)."""
     total = jax.tree_util.tree_map(lambda x: jnp.sum(x, axis=0), factors)
     q = g.product(prior, total) if prior_factor is None else g.product(prior, prior_factor, total)
-    return ServerState(q, jnp.asarray(0), prior_factor)
+    return ServerState(q, jnp.asarray(0), prior_factor, jnp.asarray(jnp.inf, q.nat1.dtype),
+                       jnp.asarray(False))
 
 
 def client_update(q: g.Gaussian, state: ClientState, data: tuple, mask: Array, rng_key: Array,
@@ -309,7 +317,8 @@ def verdicts(q: g.Gaussian, deltas: g.Gaussian, max_divergence: float = MAX_DIVE
 
 def server_update(state: ServerState, messages: ClientMessage, received: Array | None = None,
                   score: Callable[[g.Gaussian], tuple[Array, Array]] | None = None,
-                  max_divergence: float = MAX_DIVERGENCE) -> tuple[ServerState, Array]:
+                  max_divergence: float = MAX_DIVERGENCE, adaptive: bool = False
+                  ) -> tuple[ServerState, Array]:
     """Apply the acceptable deltas (stacked on axis 0; :func:`verdicts`) with the largest step in
     1, 1/2, ..., 2^-10 that keeps q finite and positive definite and, if ``score`` is given, does
     not lower the global ELBO by more than ``1e-2 + 1e-6 |ELBO|`` nats (a line search along the
@@ -321,9 +330,14 @@ def server_update(state: ServerState, messages: ClientMessage, received: Array |
     whose delta is acceptable, so a client with bad data cannot stall the others. Clients that sat
     the round out still count (in the embedded runtime their data are at hand; a deployment
     would stand in their factors for them).
+    ``adaptive`` calls ``score`` (in a deployment, one more exchange) only in a round whose full
+    step the data alone cannot vouch for: q would not be positive definite with it, or it would
+    move q further (``KL(q_new || q)``) than the last update did (the symptom of synchronous
+    clients over-counting each other); other rounds take the largest positive-definite step.
     ``received`` (booleans, one per message) marks the clients that replied this round; the
-    others' slots are ignored. Returns the new state and each client's reply: the step its delta
-    was applied with, or 0 or a negative refusal code (:data:`REFUSALS`) if it was not applied.
+    others' slots are ignored. Returns the new state (with how far q moved and whether the round
+    was scored) and each client's reply: the step its delta was applied with, or 0 or a negative
+    refusal code (:data:`REFUSALS`) if it was not applied.
     """
     verdict = verdicts(state.q, messages.delta, max_divergence)
     ok = verdict > 0
@@ -337,25 +351,39 @@ def server_update(state: ServerState, messages: ClientMessage, received: Array |
     sizes = jnp.asarray(STEP_SIZES, dtype=total.nat1.dtype)
     candidates = jax.vmap(lambda s: g.product(state.q, g.scale(total, s)))(sizes)
     accept = g.is_pd(candidates) & g.is_finite(candidates)
+    scored = jnp.asarray(score is not None)
     if score is not None:
-        # the current q and every candidate scored in one batch (one exchange in a deployment)
-        both = jax.tree_util.tree_map(lambda a, b: jnp.concatenate([a[None], b]), state.q,
-                                      candidates)
-        ells, kls = jax.vmap(score)(both)
-        ell = ells[0]
-        use = (verdict != NOT_FINITE) & jnp.isfinite(ell)
-
-        def elbo(ell, kl):
-            return jnp.sum(jnp.where(use, ell, 0.0), axis=-1) - kl
-
-        current = elbo(ell, kls[0])
-        floor = current - 1e-2 - 1e-6 * jnp.abs(current)
-        values = elbo(ells[1:], kls[1:])
-        accept = accept & (values >= floor)
+        judge = partial(_no_drop, score, state.q, candidates, verdict != NOT_FINITE)
+        if adaptive:
+            last = jnp.inf if state.moved is None else state.moved
+            full = g.kl(trees.first(candidates), state.q)  # NaN where not positive definite
+            scored = ~accept[0] | ~(full <= last)
+            judged = jax.lax.cond(scored, judge, lambda: jnp.ones(sizes.shape, bool))
+        else:
+            judged = judge()
+        accept = accept & judged
     step = jnp.where(jnp.any(accept), sizes[jnp.argmax(accept)], 0.0)
     q = g.product(state.q, g.scale(total, step))
     replies = jnp.where(ok, step, jnp.minimum(verdict, 0.0))
-    return state._replace(q=q, round=state.round + 1), replies
+    return state._replace(q=q, round=state.round + 1, moved=g.kl(q, state.q),
+                          scored=scored), replies
+
+
+def _no_drop(score: Callable[[g.Gaussian], tuple[Array, Array]], q: g.Gaussian,
+             candidates: g.Gaussian, usable: Array) -> Array:
+    """Which candidates (stacked on axis 0) do not lower the global ELBO of ``q`` by more than
+    the line search's slack (the current q and every candidate scored in one batch: one
+    exchange in a deployment); ``usable`` marks the clients whose scores count."""
+    both = jax.tree_util.tree_map(lambda a, b: jnp.concatenate([a[None], b]), q, candidates)
+    ells, kls = jax.vmap(score)(both)
+    use = usable & jnp.isfinite(ells[0])
+
+    def elbo(ell, kl):
+        return jnp.sum(jnp.where(use, ell, 0.0), axis=-1) - kl
+
+    current = elbo(ells[0], kls[0])
+    floor = current - 1e-2 - 1e-6 * jnp.abs(current)
+    return elbo(ells[1:], kls[1:]) >= floor
 
 
 def acknowledge(states: ClientState, messages: ClientMessage, steps: Array,
@@ -382,7 +410,7 @@ def acknowledge(states: ClientState, messages: ClientMessage, steps: Array,
 
 
 def make_trio(solver: LocalSolver, damping: float, prior: g.Gaussian, *,
-              prior_solver: PriorSolver | None = None, line_search: bool = False,
+              prior_solver: PriorSolver | None = None, line_search: bool | str = False,
               schedule: str = "synchronous", max_divergence: float = MAX_DIVERGENCE) -> Trio:
     """PVI as a :class:`~fedppl.algorithms.trio.Trio` on (:class:`ServerState`,
     :class:`ClientState`, :class:`ClientMessage`); the reply to a client is the step its delta
@@ -390,9 +418,11 @@ def make_trio(solver: LocalSolver, damping: float, prior: g.Gaussian, *,
 
     ``line_search`` (for a solver with ``expected_log_lik``) makes the server of a synchronous
     round score candidate ``q`` on every client's data (the runtime's ``evaluate``) against
-    ``KL(q || prior)``. ``prior_solver`` (a prior that is not Gaussian) makes the server refine
-    its prior factor ``t_0`` every round: first in a ``"sequential"`` round, alongside the clients
-    (one more message, inside the line search) in the others.
+    ``KL(q || prior)``: in every round (True), or only in the rounds the data-free check of
+    :func:`server_update` flags (``"adaptive"``). ``prior_solver`` (a prior that is not
+    Gaussian) makes the server refine its prior factor ``t_0`` every round: first in a
+    ``"sequential"`` round, alongside the clients (one more message, inside the line search) in
+    the others.
     """
 
     def client(server: ServerState, cstate: ClientState, data, mask, rng_key, index):
@@ -410,14 +440,18 @@ def make_trio(solver: LocalSolver, damping: float, prior: g.Gaussian, *,
 
         return score
 
+    if line_search not in LINE_SEARCHES:
+        raise ValueError(f"line_search must be one of {LINE_SEARCHES}, got {line_search!r}")
+    adaptive = line_search == "adaptive"
+
     def server(state: ServerState, msgs: ClientMessage, index, received, rng_key, evaluate):
         score = score_with(evaluate)
         if prior_solver is None or schedule == "sequential":
-            return server_update(state, msgs, received, score, max_divergence)
+            return server_update(state, msgs, received, score, max_divergence, adaptive)
         pmsg, _ = prior_update(state, prior_solver, damping, rng_key)
         both = jax.tree_util.tree_map(lambda a, b: jnp.concatenate([a, b[None]]), msgs, pmsg)
         state, steps = server_update(state, both, jnp.append(received, True), score,
-                                     max_divergence)
+                                     max_divergence, adaptive)
         return _acknowledge_prior(state, pmsg, steps[-1]), steps[:-1]
 
     def begin(state: ServerState, rng_key):

@@ -28,9 +28,36 @@ from fedppl.infer.round_log import RoundRecord, report
 
 __all__ = ["SOLVERS", "Static", "Log", "start_log", "set_up", "check_clients", "flat_factors",
            "initial_states", "record", "result", "kl_tol_rule", "pvi_trio", "elbo_fn",
-           "message_bytes", "broadcast_bytes", "refused"]
+           "message_bytes", "broadcast_bytes", "refused", "check_line_search", "line_search_for"]
 
 SOLVERS = ("natural-gradient", "optax")
+
+
+def check_line_search(line_search: Any, privacy: Any = None) -> bool | str | None:
+    """``line_search=`` as given to a PVI front (None, False, True or ``"adaptive"``), refused
+    with ``privacy`` unless off."""
+    if isinstance(line_search, (bool, np.bool_)):
+        line_search = bool(line_search)
+    elif not (line_search is None or line_search == "adaptive"):
+        raise ValueError(f"line_search must be None (the runtime's default), True, False or "
+                         f"'adaptive', got {line_search!r}")
+    if privacy is not None and line_search:
+        raise ValueError("line_search scores candidate q on the clients' data, which a "
+                         "private run does not release: leave it off with privacy=")
+    return line_search
+
+
+def line_search_for(line_search: bool | str | None, privacy: Any, data_at_server: bool
+                    ) -> bool | str:
+    """The line search a run uses (the method's setting is left as it is): the setting where
+    given; by default off for a private run, every round where the runtime's server holds the
+    data (the embedded runtime: scoring sends no message), and ``"adaptive"`` on a deployment
+    (Flower: a second exchange only in the rounds the server's check flags)."""
+    if line_search is not None:
+        return line_search
+    if privacy is not None:
+        return False
+    return True if data_at_server else "adaptive"
 
 
 def message_bytes(msgs: Any) -> int:
@@ -132,8 +159,12 @@ def initial_states(guide: PVIGuide, K: int, factors: g.Gaussian | None,
 def record(before: RunState, after: RunState, msgs: Any, steps: Array, active: np.ndarray,
            rng_key: Array) -> tuple[Log, dict[str, Any]]:
     """A round's history columns (``free_energy``, ``converged``, ``local_iterations``,
-    ``step``, ``kl_change``, ``elbo``, a private run's ``epsilon``) and the accumulators after
-    it (the round log warns here, naming the clients)."""
+    ``step``, ``kl_change``, ``exchanges``, ``elbo``, a private run's ``epsilon``) and the
+    accumulators after it (the round log warns here, naming the clients).
+
+    ``exchanges`` counts the server's exchanges with its clients in the round, as a deployment
+    makes them (the embedded runtime makes none): one for a synchronous round, two where the
+    line search scored it; one per client taking part in a sequential round."""
     plan = after.plan
     assert plan is not None  # a started run's state
     st, log = plan.static, after.log.method
@@ -145,7 +176,9 @@ def record(before: RunState, after: RunState, msgs: Any, steps: Array, active: n
            "converged": np.where(active, np.asarray(msgs.converged, float), np.nan),
            "local_iterations": np.where(active, np.asarray(msgs.iterations, float), np.nan),
            "step": np.where(active, np.maximum(np.asarray(steps, float), 0.0), np.nan),
-           "kl_change": float(_kl_change(q_new, q_old))}
+           "kl_change": float(_kl_change(q_new, q_old)),
+           "exchanges": (int(np.sum(active)) if plan.schedule == "sequential"
+                         else 1 + bool(after.server.scored))}
     row["elbo"] = np.nan
     dp_rounds = log.dp_rounds
     if st.privacy is not None:

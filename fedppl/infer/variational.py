@@ -49,10 +49,12 @@ from fedppl.infer.pvi_plan import (
     SOLVERS,
     Static,
     broadcast_bytes,
+    check_line_search,
     elbo_fn,
     flat_factors,
     initial_states,
     kl_tol_rule,
+    line_search_for,
     message_bytes,
     pvi_trio,
     record,
@@ -104,10 +106,15 @@ class PVI(FederatedMethod):
     :param line_search: with the natural-gradient or conjugate solver, the server of a synchronous
         round scales the combined update down (halving, as far as 2^-10) until the global ELBO,
         summed from the clients' expected log-likelihoods at the candidate q (with the solver's
-        fixed draws, or in closed form), does not drop (one more exchange of scalars per round).
-        Keeps damping 1 from diverging where clients' updates over-count each other (mean-field
-        guides on correlated posteriors, many small clients); accepted steps below 1 are reported
-        as shrunk updates. On by default; off (and refused) with ``privacy``.
+        fixed draws, or in closed form), does not drop (one more exchange of scalars per round
+        on a deployment). Keeps damping 1 from diverging where clients' updates over-count each
+        other (mean-field guides on correlated posteriors, heavy-tailed likelihoods on many small
+        clients); accepted steps below 1 are reported as shrunk updates. ``True``: every round;
+        ``"adaptive"``: only in rounds whose full step would leave q not positive definite or
+        move it further than the last round did (:func:`fedppl.algorithms.pvi.server_update`);
+        ``False``: never. None (default): ``True`` where the runtime's server holds the data
+        (the embedded runtime: scoring sends nothing), ``"adaptive"`` on a deployment (Flower:
+        mostly one exchange a round), off with ``privacy`` (where any other value is refused).
     :param shrink_warning: warn (once per run, naming the clients whose updates shrink q most)
         when, in any round after the run's first, a marginal sd of q, or the geometric mean of
         its sds (q's entropy per dimension), falls by more than this factor.
@@ -134,7 +141,7 @@ class PVI(FederatedMethod):
                  local_steps: int | None = None, num_particles: int | None = None,
                  local_tol: float | None = None, conjugate: bool | str = "auto",
                  elbo_samples: int = 64, clients_per_round: int | None = None,
-                 shrink_warning: float = 2.0, line_search: bool | None = None,
+                 shrink_warning: float = 2.0, line_search: bool | str | None = None,
                  max_divergence: float = pvi.MAX_DIVERGENCE,
                  privacy: DPOptimisation | DPLocalAveraging | DPVirtualParties | None = None):
         if schedule not in SCHEDULES:
@@ -166,11 +173,8 @@ class PVI(FederatedMethod):
                 privacy, (DPOptimisation, DPLocalAveraging, DPVirtualParties)):
             raise TypeError(f"privacy must be a fedppl.DPOptimisation, DPLocalAveraging or "
                             f"DPVirtualParties, got {type(privacy).__name__}")
-        if privacy is not None and line_search:
-            raise ValueError("line_search scores candidate q on the clients' data, which a "
-                             "private run does not release: leave it off with privacy=")
+        self.line_search = check_line_search(line_search, privacy)
         self.privacy = privacy
-        self.line_search = privacy is None if line_search is None else bool(line_search)
         self.max_divergence = float(max_divergence)
         self._pooled = False  # GlobalVI: one client, the prior correction in its likelihood
 
@@ -196,7 +200,8 @@ class PVI(FederatedMethod):
         if isinstance(self.privacy, DPVirtualParties):
             cstates = cstates._replace(parties=self.privacy.split(cstates.factor))
         trio = shared(pvi_trio, choice.local, self.damping, guide, choice.prior,
-                      self.line_search, self.schedule, self.max_divergence)
+                      line_search_for(self.line_search, self.privacy, data_at_server),
+                      self.schedule, self.max_divergence)
         elbo = (shared(elbo_fn, choice.local, model, choice.prior, guide, self.elbo_samples)
                 if self.elbo_samples > 0 else None)
         static = Static(guide, model, elbo, np.asarray(clients.sizes), choice.calibration,

@@ -47,13 +47,14 @@ import torch
 from fedppl import validation
 from fedppl.algorithms import pvi, solvers
 from fedppl.algorithms.natural_gradient import NaturalGradientSolver, PriorSolver
-from fedppl.algorithms.trio import Trio
 from fedppl.clients import Clients
 from fedppl.infer.base import Plan, RunState, shared
 from fedppl.infer.pvi_plan import (
     Static,
     elbo_fn,
     initial_states,
+    line_search_for,
+    pvi_trio,
     record,
     result,
     start_log,
@@ -86,7 +87,8 @@ class PVI(CorePVI):
                  num_particles: int | None = None, local_tol: float | None = None,
                  conjugate: bool | str = "auto", elbo_samples: int = 64,
                  clients_per_round: int | None = None, shrink_warning: float = 2.0,
-                 line_search: bool = True, max_divergence: float = pvi.MAX_DIVERGENCE):
+                 line_search: bool | str | None = None,
+                 max_divergence: float = pvi.MAX_DIVERGENCE):
         validation.pvi_settings(damping, conjugate, solver, SOLVERS, local_steps, num_particles,
                                 local_tol, shrink_warning, max_divergence)
         if optimizer is not None and solver != "optim" and conjugate != "polya-gamma":
@@ -116,8 +118,9 @@ class PVI(CorePVI):
             resume = SimpleNamespace(**to_jax({k: getattr(resume, k) for k in RESUMED}))
         server, cstates = initial_states(guide, clients.num_clients, to_jax(factors), resume,
                                          choice.prior is not None)
-        trio = shared(_trio, choice.local, self.damping, guide, choice.prior, self.line_search,
-                      self.schedule, self.max_divergence)
+        trio = shared(pvi_trio, choice.local, self.damping, guide, choice.prior,
+                      line_search_for(self.line_search, None, data_at_server), self.schedule,
+                      self.max_divergence)
         elbo = (shared(elbo_fn, choice.local, model, choice.prior, guide, self.elbo_samples)
                 if self.elbo_samples > 0 else None)
         static = Static(guide, model, elbo, np.asarray(clients.sizes), None, None,
@@ -182,13 +185,6 @@ class PVI(CorePVI):
         Keyword arguments are the model's own static keyword arguments."""
         return super().init(jax_key(rng_key), clients, factors, resume=resume,
                             runtime=runtime, **model_kwargs)
-
-
-def _trio(solver, damping, guide, prior_solver, line_search, schedule, max_divergence) -> Trio:
-    """PVI's trio, one per settings and guide (so one round, compiled once)."""
-    return pvi.make_trio(solver, damping, guide.prior_or_raise(), prior_solver=prior_solver,
-                         line_search=line_search, schedule=schedule,
-                         max_divergence=max_divergence)
 
 
 def _torch_result(state: RunState, history: dict[str, np.ndarray],

@@ -106,3 +106,32 @@ def test_line_search_refuses_a_step_that_lowers_the_score():
     _, steps = pvi.server_update(s, messages([move]))
     assert float(steps[0]) == 1.0
 
+
+
+def test_adaptive_line_search_scores_only_the_rounds_it_flags():
+    """``adaptive``: a full step that moves q no further than the last update did is taken
+    unscored; one that moves it further, or leaves q not positive definite, is scored (and here
+    halved, as the score asks), and the state says which rounds were scored."""
+    s = state()
+    move = (jnp.array([3.0, 0.0]), jnp.zeros((2, 2)))
+    full = float(g.kl(pvi.server_update(s, messages([move]))[0].q, s.q))  # 4.5 nats
+
+    def score(q):  # best at mean (1, 0): the full step to 3 lowers it
+        mean, _ = g.to_moments(q)
+        return -jnp.sum((mean - jnp.array([1.0, 0.0])) ** 2, keepdims=True), jnp.zeros(())
+
+    def run(state, msgs):
+        return pvi.server_update(state, msgs, score=score, adaptive=True)
+
+    assert float(s.moved) == np.inf and not bool(s.scored)  # before the first update
+    new, steps = run(s._replace(moved=jnp.asarray(2.0 * full)), messages([move]))
+    assert float(steps[0]) == 1.0 and not bool(new.scored)  # not flagged: the score unused
+    np.testing.assert_allclose(float(new.moved), full)
+    new, steps = run(s._replace(moved=jnp.asarray(0.5 * full)), messages([move]))
+    assert float(steps[0]) == 0.5 and bool(new.scored)  # further than the last: scored
+    shrink = (jnp.zeros(2), -0.6 * jnp.eye(2))  # together not positive definite at step 1
+    new, steps = run(s, messages([shrink, shrink]))
+    assert bool(new.scored) and float(steps[0]) < 1.0
+    # every round scored without adaptive, none without a score
+    assert bool(pvi.server_update(s, messages([move]), score=score)[0].scored)
+    assert not bool(pvi.server_update(s, messages([move]))[0].scored)

@@ -2,6 +2,10 @@
 
 from __future__ import annotations
 
+import os
+from types import SimpleNamespace
+from typing import cast
+
 import jax
 import numpy as np
 import numpyro
@@ -11,6 +15,9 @@ import pytest
 
 import fedppl
 from fedppl.guides import PVIGuide
+from fedppl.infer import pvi_plan
+from fedppl.infer.base import Runtime, embedded_round
+from fedppl.models import logistic_regression
 from tests.conftest import exact_linear_posterior, linear_model, logistic_model
 
 UNEQUAL = [3, 40, 7, 25, 11, 19, 15]  # 7 clients, one with 3 points
@@ -231,3 +238,188 @@ def test_loop_schedule_matches_vmap_with_dropouts(logistic_data):
         out[schedule] = pvi.run(jax.random.key(0), clients, 3, progress_bar=False)
     np.testing.assert_allclose(out["loop"].q.nat1, out["synchronous"].q.nat1, rtol=1e-8)
     np.testing.assert_allclose(out["loop"].q.prec, out["synchronous"].q.prec, rtol=1e-8)
+
+
+# -- the line search: which runs score candidates, and the exchanges a deployment makes -------
+
+# a runtime whose server holds no data, as Flower's (fedppl.infer.base.Runtime), run embedded
+DEPLOYED = Runtime(embedded_round, data_at_server=False)
+
+
+def test_line_search_default_follows_the_runtime(linear_data):
+    """``line_search=None``: every synchronous round scored where the server holds the data,
+    ``"adaptive"`` where it does not (here one exchange a round: no round flagged), off with
+    privacy; a value given is used as given; the method object is never changed."""
+    X, y = linear_data
+    clients = fedppl.partition.homogeneous(X, y, 3, seed=0)
+
+    def pvi(schedule="synchronous", **kwargs):
+        return fedppl.PVI(linear_model, PVIGuide(linear_model, family="fullrank"), schedule,
+                          elbo_samples=0, **kwargs)
+
+    def exchanges(method, runtime=None):
+        result = method.run(jax.random.key(0), clients, 2, progress_bar=False, runtime=runtime)
+        return result.history["exchanges"].tolist(), result
+
+    default = pvi()
+    (here, a), (there, b) = exchanges(default), exchanges(default, DEPLOYED)
+    assert default.line_search is None  # resolved per run, not written back
+    assert here == [2, 2] and there == [1, 1]
+    np.testing.assert_allclose(b.mean_and_cov()[0], exact_linear_posterior(X, y)[0], rtol=1e-9)
+    np.testing.assert_allclose(a.mean_and_cov()[0], b.mean_and_cov()[0], rtol=1e-12)
+    assert default.plan(jax.random.key(0), clients, runtime=DEPLOYED).trio.client_evaluate \
+        is not None  # adaptive: the server can still score a flagged round
+    assert exchanges(pvi(line_search=True), DEPLOYED)[0] == [2, 2]
+    assert exchanges(pvi(line_search=False))[0] == [1, 1]
+    assert exchanges(pvi("sequential"))[0] == [3, 3]  # one exchange per client in turn
+    assert pvi_plan.line_search_for(None, object(), True) is False  # a private run's default
+    with pytest.raises(ValueError, match="line_search must be"):
+        pvi(line_search="sometimes")
+
+
+def test_flower_node_builds_the_servers_trio(linear_data):
+    """A Flower node sets the method up on its own data (``Node._set_up``), and gets the trio
+    the server's set-up on a runtime without data gets (the adaptive line search), not the
+    embedded one's."""
+    pytest.importorskip("flwr")
+    from fedppl.runtime.flower import Task
+    from fedppl.runtime.flower_node import Node
+
+    X, y = linear_data
+    clients = fedppl.partition.homogeneous(X, y, 3, seed=0)
+    pvi = fedppl.PVI(linear_model, PVIGuide(linear_model), "synchronous", elbo_samples=0)
+    task = Task(pvi, clients.client, 3, num_rounds=2)
+    node = Node._set_up(cast(Node, SimpleNamespace(task=task)), clients)
+    server = pvi.plan(jax.random.key(0), clients, runtime=DEPLOYED)
+    assert node["trio"] is server.trio
+    assert node["trio"] is not pvi.plan(jax.random.key(0), clients).trio
+    assert pvi.line_search is None
+
+
+def test_deployment_default_guards_overshooting_synchronous_steps():
+    """Mean-field guide, correlated features, 10 clients, damping 1: without the line search
+    the synchronous steps over-count each other and q swings further every round (the
+    server's acceptance rule refuses nothing: q stays proper); the deployment default scores
+    the flagged rounds only and converges."""
+    rng = np.random.default_rng(0)
+    C = np.linalg.cholesky(0.9 * np.ones((4, 4)) + 0.1 * np.eye(4))
+    X = rng.normal(size=(200, 4)) @ C.T
+    y = (rng.random(200) < 1 / (1 + np.exp(-X @ rng.normal(size=4)))).astype(float)
+    clients = fedppl.partition.homogeneous(X, y, 10, seed=0)
+
+    def run(line_search, runtime=None):
+        return fedppl.PVI(logistic_regression, PVIGuide(logistic_regression), "synchronous",
+                          line_search=line_search, elbo_samples=0, num_particles=16,
+                          local_steps=30).run(jax.random.key(0), clients, 6,
+                                              progress_bar=False, runtime=runtime)
+
+    off, default = run(False), run(None, DEPLOYED)
+    swing, moved = off.history["kl_change"], default.history["kl_change"]
+    assert off.rejected == [] and np.max(swing[3:]) > 100 * swing[0], swing
+    assert moved[-1] < 0.05 * moved[0] and np.all(moved[2:] < moved[1]), moved
+    exchanges = default.history["exchanges"]
+    assert set(exchanges.tolist()) == {1, 2}, exchanges  # scored where flagged, not every round
+    assert np.all(default.history["step"][exchanges == 1] == 1.0)
+
+
+def _flower_blr_task(run_config):
+    """Bayesian linear regression on 3 Flower nodes, synchronous PVI with damping 0.5 and the
+    default line search."""
+    from fedppl.runtime.flower import Task
+
+    jax.config.update("jax_enable_x64", True)
+    clients = _flower_blr_clients()
+    pvi = fedppl.PVI(linear_model, PVIGuide(linear_model, family="fullrank"), "synchronous",
+                     0.5, elbo_samples=0)
+    return Task(pvi, clients.client, clients.num_clients, FLOWER_ROUNDS,
+                run_kwargs={"progress_bar": False})
+
+
+FLOWER_ROUNDS = 10
+
+
+def _flower_blr_clients():
+    rng = np.random.default_rng(0)
+    X = rng.normal(size=(120, 3))
+    y = X @ np.array([1.0, -2.0, 0.5]) + 0.5 * rng.normal(size=120)
+    return fedppl.partition.homogeneous(X, y, 3, seed=0)
+
+
+def test_flower_default_sends_one_exchange_per_round(monkeypatch):
+    """On Flower's Simulation Engine, synchronous PVI with the default line search exchanges
+    with its nodes once a round (no ``evaluate`` exchange), and reaches the embedded runtime's
+    answer: with damping 0.5 and the closed-form step, ``q = p * prod_k t_k^(1 - 2^-R)`` after R
+    rounds, the exact posterior to 2^-R."""
+    pytest.importorskip("flwr")
+    from fedppl.runtime import flower
+
+    exchanged: list[str] = []
+    real = flower._Server._exchange
+
+    def counted(self, contents, message_type, *args, **kwargs):
+        exchanged.append(message_type)
+        return real(self, contents, message_type, *args, **kwargs)
+
+    monkeypatch.setattr(flower._Server, "_exchange", counted)
+    result = flower.FlowerApp(_flower_blr_task).simulate()
+    assert exchanged.count("train") == FLOWER_ROUNDS and "evaluate" not in exchanged, exchanged
+    assert result.history["exchanges"].tolist() == [1] * FLOWER_ROUNDS
+    clients = _flower_blr_clients()
+    X, y = (np.concatenate(a) for a in zip(*(clients.client(k) for k in range(3)), strict=True))
+    share = 1 - 0.5**FLOWER_ROUNDS
+    prec = np.eye(3) + share * X.T @ X / 0.5**2
+    np.testing.assert_allclose(result.q.prec, prec, rtol=1e-10)
+    np.testing.assert_allclose(result.q.nat1, share * X.T @ y / 0.5**2, rtol=1e-10)
+    embedded = _flower_blr_task({}).method.run(jax.random.key(0), clients, FLOWER_ROUNDS,
+                                               progress_bar=False)
+    np.testing.assert_allclose(result.q.prec, embedded.q.prec, rtol=1e-10)
+    np.testing.assert_allclose(result.q.nat1, embedded.q.nat1, rtol=1e-10)
+    exact_mean, _ = exact_linear_posterior(X, y)
+    np.testing.assert_allclose(result.mean_and_cov()[0], exact_mean, rtol=2e-3)
+
+
+def _flower_sampled_task(run_config):
+    """The same regression on 3 unequal nodes, one node a round (damping 1): a round whose
+    node moves q further than the last round's did is flagged and scored."""
+    from fedppl.runtime.flower import Task
+
+    jax.config.update("jax_enable_x64", True)
+    clients = _flower_unequal_clients()
+    pvi = fedppl.PVI(linear_model, PVIGuide(linear_model, family="fullrank"), "synchronous",
+                     elbo_samples=0, clients_per_round=1,
+                     line_search=run_config.get("line-search"))
+    return Task(pvi, clients.client, clients.num_clients, 5, run_kwargs={"progress_bar": False})
+
+
+def _flower_unequal_clients():
+    clients = _flower_blr_clients()
+    X, y = (np.concatenate(a) for a in zip(*(clients.client(k) for k in range(3)), strict=True))
+    return fedppl.Clients.from_list([(X[:10], y[:10]), (X[10:50], y[10:50]), (X[50:], y[50:])])
+
+
+@pytest.mark.skipif(os.environ.get("FEDPPL_FLOWER_FULL") != "1",
+                    reason="set FEDPPL_FLOWER_FULL=1 to run this Flower simulation too")
+def test_flower_adaptive_line_search_scores_the_flagged_rounds(monkeypatch):
+    """On Flower, a flagged round's scores come from one ``evaluate`` exchange (the candidates
+    in one batch), the other rounds need none, and the run equals the embedded runtime's with
+    ``line_search="adaptive"``."""
+    pytest.importorskip("flwr")
+    from fedppl.runtime import flower
+
+    exchanged: list[str] = []
+    real = flower._Server._exchange
+
+    def counted(self, contents, message_type, *args, **kwargs):
+        exchanged.append(message_type)
+        return real(self, contents, message_type, *args, **kwargs)
+
+    monkeypatch.setattr(flower._Server, "_exchange", counted)
+    result = flower.FlowerApp(_flower_sampled_task).simulate()
+    scored = result.history["exchanges"] == 2
+    assert 0 < scored.sum() < len(scored), result.history["exchanges"]
+    assert exchanged.count("evaluate") == scored.sum() and exchanged.count("train") == 5
+    want = _flower_sampled_task({"line-search": "adaptive"}).method.run(
+        jax.random.key(0), _flower_unequal_clients(), 5, progress_bar=False)
+    np.testing.assert_array_equal(result.history["exchanges"], want.history["exchanges"])
+    np.testing.assert_allclose(result.q.prec, want.q.prec, rtol=1e-10)
+    np.testing.assert_allclose(result.q.nat1, want.q.nat1, rtol=1e-10)

@@ -40,7 +40,7 @@ def test_result_has_the_numpyro_results_shape(logistic_run):
     pair, res = logistic_run
     assert set(res.history) == {"round", "seconds", "messages_up", "messages_down", "bytes_up",
                                 "bytes_down", "rejected", "free_energy", "converged",
-                                "local_iterations", "step", "kl_change", "elbo"}
+                                "local_iterations", "step", "kl_change", "exchanges", "elbo"}
     assert res.history["free_energy"].shape == (3, 4) and res.history["elbo"].shape == (3,)
     assert np.all(np.diff(res.history["elbo"]) > -0.5)  # an MC estimate that climbs
     assert res.history["bytes_up"][0] == 4 * (4 + 10) * 8  # D + D(D+1)/2 float64 numbers
