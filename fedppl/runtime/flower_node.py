@@ -89,7 +89,14 @@ class Node:
         kwargs = {k: v for k, v in dict(self.task.run_kwargs).items() if k not in RUN_ONLY}
         if "num_rounds" in inspect.signature(method.init).parameters:
             kwargs["num_rounds"] = self.task.num_rounds  # the server's planned rounds (FedBNR)
-        state = method.init(jax.random.key(self.task.seed), clients, **kwargs)
+
+        def no_rounds(trio: Any, schedule: str) -> None:  # a node runs no round of its own
+            return None
+
+        # planned on the server's kind of runtime (one whose server holds no data), so that
+        # what a method chooses by the runtime (PVI's line search) gives the server's trio
+        no_rounds.data_at_server = False  # type: ignore[attr-defined]
+        state = method.init(jax.random.key(self.task.seed), clients, runtime=no_rounds, **kwargs)
         return {"trio": state.plan.trio, "server": state.server, "clients": state.clients}
 
     def _build(self, rows: int) -> _Built:
