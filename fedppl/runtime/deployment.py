@@ -5,10 +5,14 @@ flower-deployment``).
 Each process runs from this Python environment (so the ServerApp and ClientApps import fedppl),
 in its own process group, with its own ``FLWR_HOME`` in a temporary folder; leaving the ``with``
 block stops every process (SIGTERM, then SIGKILL) and removes the folder. Flower 1.42 serves
-the SuperLink's Fleet, Control and runtime APIs on one HTTP port; a SuperNode starts a fresh
-``flwr-clientapp`` process for every message, so a ClientApp's state lives in its Flower
-context (``fedppl.runtime.flower`` keeps it there) and each message pays for starting Python
-and JAX; the nodes share a JAX compilation cache so that only the first compiles.
+the SuperLink's Fleet, Control and runtime APIs on one HTTP port. By default
+(``isolation="process"``) each SuperNode runs with ``--isolation process`` beside a warm
+ClientApp process of its own (:mod:`fedppl.runtime.flower_worker`), which imports JAX and
+fedppl and compiles the node's step once per run; ``isolation="subprocess"`` is Flower's
+default, a fresh ``flwr-clientapp`` process for every message. Either way a ClientApp's state
+lives in its Flower context (``fedppl.runtime.flower`` keeps it there), and every process
+shares one JAX persistent compilation cache (``jax_cache``, a temporary folder unless given),
+so that only the first compiles.
 
 Across real machines the same commands run with TLS instead of ``--insecure``::
 
@@ -90,13 +94,26 @@ def _toml(value: Any) -> str:
 class LocalDeployment:
     """A SuperLink and ``num_nodes`` SuperNodes on 127.0.0.1 (insecure), node ``k`` with
     ``node_config(k)`` (default ``partition-id=k num-partitions=num_nodes``); the SuperLink on
-    ``port`` (default: a free one)."""
+    ``port`` (default: a free one). ``isolation``: ``"process"`` (a warm ClientApp process per
+    SuperNode) or ``"subprocess"`` (Flower's fresh process per message); ``jax_cache``: the
+    JAX compilation cache's folder (kept after the block; default a temporary one);
+    ``node_poll``: the SuperNodes' wait between checks for messages while a run is busy
+    (:mod:`fedppl.runtime.flower_supernode`; None: Flower's own ``flower-supernode``);
+    ``workers``: how many warm ClientApp processes serve the nodes (default one per node, as
+    at separate sites; fewer share them, node ``k`` served by worker ``k % workers``, to fit
+    many nodes in one machine's memory)."""
 
     def __init__(self, num_nodes: int, *, node_config: Callable[[int], Mapping] | None = None,
                  start_timeout: float = 60.0, env: Mapping[str, str] | None = None,
-                 port: int | None = None):
+                 port: int | None = None, isolation: str = "process",
+                 jax_cache: str | os.PathLike | None = None, node_poll: float | None = 0.05,
+                 workers: int | None = None):
         if num_nodes < 1:
             raise ValueError(f"num_nodes must be at least 1, got {num_nodes}")
+        if isolation not in ("process", "subprocess"):
+            raise ValueError(f"isolation must be 'process' or 'subprocess', got {isolation!r}")
+        self.isolation, self.jax_cache, self.node_poll = isolation, jax_cache, node_poll
+        self.workers = num_nodes if workers is None else max(1, min(int(workers), num_nodes))
         self.num_nodes, self.start_timeout = num_nodes, start_timeout
         self.node_config = node_config or (lambda k: {"partition-id": k,
                                                       "num-partitions": num_nodes})
@@ -117,7 +134,7 @@ class LocalDeployment:
         assert self.home is not None
         env = dict(os.environ)
         env.update({"FLWR_HOME": str(self.home / "flwr"), "FLWR_TELEMETRY_ENABLED": "0",
-                    "JAX_COMPILATION_CACHE_DIR": str(self.home / "jax-cache"),
+                    "JAX_COMPILATION_CACHE_DIR": str(self.jax_cache or self.home / "jax-cache"),
                     "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS": "0",
                     "PYTHONPATH": os.pathsep.join([os.getcwd(), env.get("PYTHONPATH", "")]),
                     # the SuperLink and SuperNodes start flower-superexec and flwr-* by name
@@ -151,11 +168,23 @@ class LocalDeployment:
             (self.home / "flwr" / "config.toml").write_text(
                 f'[superlink]\ndefault = "local"\n\n[superlink.local]\n'
                 f'address = "{self.address}"\ninsecure = true\n')
+            runtimes = []
             for k in range(self.num_nodes):
                 config = " ".join(f"{key}={_toml(v)}" for key, v in self.node_config(k).items())
+                runtime = free_port()
+                runtimes.append(f"127.0.0.1:{runtime}")
+                supernode = ([self._bin("flower-supernode")] if self.node_poll is None else
+                             [sys.executable, "-m", "fedppl.runtime.flower_supernode",
+                              "--poll", str(self.node_poll), "--"])
                 self._start(f"node-{k}", [
-                    self._bin("flower-supernode"), "--insecure", "--superlink", self.address,
-                    "--port", str(free_port()), "--node-config", config])
+                    *supernode, "--insecure", "--superlink", self.address,
+                    "--port", str(runtime), "--node-config", config,
+                    "--isolation", self.isolation])
+            for w in range(self.workers if self.isolation == "process" else 0):
+                served = runtimes[w::self.workers]  # the warm ClientApp processes
+                self._start(f"worker-{w}", [
+                    sys.executable, "-m", "fedppl.runtime.flower_worker",
+                    *[arg for a in served for arg in ("--runtime-api-address", a)]])
             self._wait(lambda: self.log("superlink").count("Activated node_id")
                        >= self.num_nodes, f"{self.num_nodes} SuperNodes to register")
         except BaseException:
@@ -176,11 +205,14 @@ class LocalDeployment:
             time.sleep(0.2)
 
     def kill_node(self, k: int) -> None:
-        """Kill SuperNode ``k`` (and its ClientApp processes) now, as a crash would."""
-        proc = self.procs[f"node-{k}"]
-        if proc.poll() is None:
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait(10)
+        """Kill SuperNode ``k`` and its ClientApp processes now, as a crash would (its worker
+        too, when it serves no other node)."""
+        own = self.workers == self.num_nodes
+        for name in (f"node-{k}", *([f"worker-{k}"] if own else [])):
+            proc = self.procs.get(name)
+            if proc is not None and proc.poll() is None:
+                os.killpg(proc.pid, signal.SIGKILL)
+                proc.wait(10)
 
     def __exit__(self, *exc: Any) -> None:
         for proc in self.procs.values():  # the SuperLink's and nodes' groups (their children)

@@ -1,0 +1,76 @@
+"""Flower's SuperNode with a shorter wait between its checks for messages, while a run is busy.
+
+Flower 1.42's SuperNode asks its SuperLink for a message, and when none is waiting sleeps 3 s
+before asking again (a constant in ``flwr.supernode.start_client_internal``); it looks for its
+ClientApp's reply every 0.5 s. A round that sends each node one message therefore waits about
+3 s at every node, whatever the work. ``python -m fedppl.runtime.flower_supernode`` runs the
+same SuperNode (every ``flower-supernode`` option, unchanged) with those waits shortened to
+``--poll`` seconds (default 0.05) for ``--busy`` seconds (default 30) after the node last
+handled a message, and Flower's own waits otherwise, so an idle node asks its SuperLink no more
+often than Flower's does::
+
+    python -m fedppl.runtime.flower_supernode --poll 0.05 -- --isolation process \\
+        --superlink SERVER:9092 --root-certificates ca.crt --port 9094 \\
+        --node-config "partition-id=0 num-partitions=3"
+
+The node is Flower's; only its module's clock is wrapped (written against Flower 1.42, which
+``constraints.txt`` pins). Plain ``flower-supernode`` works with fedppl too, a few seconds
+slower a round.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import time
+from collections.abc import Sequence
+from typing import Any
+
+__all__ = ["BusyClock", "main"]
+
+
+class BusyClock:
+    """The ``time`` module, its ``sleep`` shortened to ``poll`` seconds within ``busy`` seconds
+    of the last short wait (Flower's SuperNode waits briefly only while it handles a message)."""
+
+    def __init__(self, poll: float, busy: float, idle_wait: float = 3.0):
+        self.poll, self.busy, self.idle_wait = poll, busy, idle_wait
+        self.last = -float("inf")
+
+    def sleep(self, seconds: float) -> None:
+        now = time.monotonic()
+        if seconds < self.idle_wait:  # waiting for a reply: the node is handling a message
+            self.last = now
+        time.sleep(min(seconds, self.poll) if now - self.last < self.busy else seconds)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(time, name)
+
+
+def main(argv: Sequence[str] | None = None) -> None:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    p = argparse.ArgumentParser(prog="python -m fedppl.runtime.flower_supernode",
+                                description=__doc__.splitlines()[0],
+                                epilog="Arguments after -- go to flower-supernode.")
+    p.add_argument("--poll", type=float, default=0.05,
+                   help="seconds between checks for a message while busy")
+    p.add_argument("--busy", type=float, default=30.0,
+                   help="seconds after the last message during which the node checks often")
+    ours, _, theirs = (argv[:argv.index("--")], None, argv[argv.index("--") + 1:]) \
+        if "--" in argv else ([], None, argv)
+    args = p.parse_args(ours)
+    os.environ.setdefault("FLWR_TELEMETRY_ENABLED", "0")
+    try:
+        from flwr.supernode import start_client_internal
+        from flwr.supernode.cli.flower_supernode import flower_supernode
+    except ImportError as err:  # pragma: no cover - the extra is installed by make test
+        raise ImportError("fedppl.runtime.flower_supernode needs Flower: "
+                          "pip install 'fedppl[flower]'") from err
+    start_client_internal.time = BusyClock(args.poll, args.busy)  # type: ignore[assignment]
+    sys.argv = ["flower-supernode", *theirs]
+    flower_supernode()
+
+
+if __name__ == "__main__":
+    main()
