@@ -15,7 +15,7 @@ cd "$(dirname "$0")"
 
 WORK=${WORK:-$PWD}            # holds certificates/, .flwr/, logs/ and result/
 PORT=${PORT:-9091}            # the SuperLink's port (its Fleet, Control and runtime APIs)
-NODE_PORT=${NODE_PORT:-9094}  # SuperNode k serves its ClientApp processes on NODE_PORT + k
+NODE_PORT=${NODE_PORT:-9094}  # SuperNode k serves its ClientApp worker on NODE_PORT + k
 NODES=${NODES:-2}             # SuperNodes, one partition of the data each
 ROUNDS=${ROUNDS:-2}
 START_TIMEOUT=${START_TIMEOUT:-120}  # seconds for the SuperLink and SuperNodes to come up
@@ -25,8 +25,8 @@ CERTS=$WORK/certificates
 LOGS=$WORK/logs
 OUT=$WORK/result
 export FLWR_HOME=$WORK/.flwr  # flwr's config.toml, and the app as each process installs it
-# optional: a ClientApp process starts afresh for every message; with a shared compilation
-# cache only the first one on this machine compiles the node's step
+# optional: a compilation cache shared by the ServerApp and the workers (a second run, or a
+# restarted worker, loads its compiled steps from disk)
 export JAX_COMPILATION_CACHE_DIR=$WORK/jax-cache JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS=0
 mkdir -p "$LOGS" "$FLWR_HOME"
 rm -f "$OUT/result.json"
@@ -34,6 +34,7 @@ rm -f "$OUT/result.json"
 declare -A PIDS=()
 stop_all() {  # SIGTERM to each process group, then SIGKILL to what is left after 10 s
     local pid
+    disown -a 2>/dev/null || true  # no "Terminated" notice for each
     for pid in "${PIDS[@]}"; do kill -TERM -- "-$pid" 2>/dev/null || true; done
     for _ in $(seq 100); do
         local alive=0
@@ -78,12 +79,16 @@ flower-superlink --ssl-ca-certfile "$CERTS/ca.crt" --ssl-certfile "$CERTS/server
 PIDS[superlink]=$!
 wait_for "$LOGS/superlink.log" "Uvicorn running" 1 "the SuperLink"
 
-# 3. the SuperNodes: node k holds partition k and trusts the CA
+# 3. the SuperNodes: node k holds partition k and trusts the CA; beside each, a warm worker
+#    runs all its ClientApp messages in one process (--isolation process: no process per message)
 for k in $(seq 0 $((NODES - 1))); do
-    flower-supernode --superlink "127.0.0.1:$PORT" --root-certificates "$CERTS/ca.crt" \
-        --port $((NODE_PORT + k)) --node-config "partition-id=$k num-partitions=$NODES" \
-        > "$LOGS/node-$k.log" 2>&1 &
+    flower-supernode --isolation process --superlink "127.0.0.1:$PORT" \
+        --root-certificates "$CERTS/ca.crt" --port $((NODE_PORT + k)) \
+        --node-config "partition-id=$k num-partitions=$NODES" > "$LOGS/node-$k.log" 2>&1 &
     PIDS[node-$k]=$!
+    python -m fedppl.runtime.flower_worker --runtime-api-address "127.0.0.1:$((NODE_PORT + k))" \
+        > "$LOGS/worker-$k.log" 2>&1 &
+    PIDS[worker-$k]=$!
 done
 wait_for "$LOGS/superlink.log" "Activated node_id" "$NODES" "$NODES SuperNodes to connect"
 
@@ -108,6 +113,13 @@ PIDS[tail]=$!
 ( sleep "$RUN_TIMEOUT"; kill -USR1 $$ ) &
 PIDS[watchdog]=$!
 trap 'fail "the run went on past ${RUN_TIMEOUT} s"' USR1
+while kill -0 "${PIDS[flwr-run]}" 2>/dev/null; do  # a process that dies fails the run at once
+    for name in "${!PIDS[@]}"; do
+        kill -0 "${PIDS[$name]}" 2>/dev/null || [ "$name" = flwr-run ] || [ "$name" = tail ] \
+            || fail "$name exited during the run"
+    done
+    sleep 1
+done
 wait "${PIDS[flwr-run]}" || fail "flwr run failed"
 wait "${PIDS[tail]}" || true
 
