@@ -75,6 +75,7 @@ __all__ = [
     "ServerState", "ClientState", "ClientMessage", "prior_update", "LocalSolver", "LocalResult",
     "NaturalGradientSolver", "VariationalSolver", "ConjugateSolver",
     "init", "client_update", "server_update", "acknowledge", "make_trio", "verdicts", "REFUSALS",
+    "was_scored", "LINE_SEARCHES",
 ]
 
 STEP_SIZES = tuple(2.0**-i for i in range(11))
@@ -98,15 +99,14 @@ REFUSALS = {
 
 class ServerState(NamedTuple):
     """The server's ``q = p~ t_0 prod_k t_k``, the round, the prior factor ``t_0`` (None when
-    the prior is Gaussian in the unconstrained space, so ``p~`` is the prior itself), how far
-    the last update moved q (``KL(q_new || q_old)``, infinite before the first) and whether
-    that update was scored on the clients' data (a line search ran)."""
+    the prior is Gaussian in the unconstrained space, so ``p~`` is the prior itself) and how
+    far the last update moved q (``KL(q_new || q_old)``, infinite before the first: what the
+    adaptive line search compares the next full step with)."""
 
     q: g.Gaussian
     round: Array
     prior_factor: g.Gaussian | None = None
     moved: Array | None = None
-    scored: Array | None = None
 
 
 class ClientState(NamedTuple):
@@ -244,8 +244,7 @@ def init(prior: g.Gaussian, factors: g.Gaussian, prior_factor: g.Gaussian | None
     axis 0)."""
     total = jax.tree_util.tree_map(lambda x: jnp.sum(x, axis=0), factors)
     q = g.product(prior, total) if prior_factor is None else g.product(prior, prior_factor, total)
-    return ServerState(q, jnp.asarray(0), prior_factor, jnp.asarray(jnp.inf, q.nat1.dtype),
-                       jnp.asarray(False))
+    return ServerState(q, jnp.asarray(0), prior_factor, jnp.asarray(jnp.inf, q.nat1.dtype))
 
 
 def client_update(q: g.Gaussian, state: ClientState, data: tuple, mask: Array, rng_key: Array,
@@ -335,9 +334,9 @@ def server_update(state: ServerState, messages: ClientMessage, received: Array |
     move q further (``KL(q_new || q)``) than the last update did (the symptom of synchronous
     clients over-counting each other); other rounds take the largest positive-definite step.
     ``received`` (booleans, one per message) marks the clients that replied this round; the
-    others' slots are ignored. Returns the new state (with how far q moved and whether the round
-    was scored) and each client's reply: the step its delta was applied with, or 0 or a negative
-    refusal code (:data:`REFUSALS`) if it was not applied.
+    others' slots are ignored. Returns the new state (with how far q moved) and each client's
+    reply: the step its delta was applied with, or 0 or a negative refusal code
+    (:data:`REFUSALS`) if it was not applied.
     """
     verdict = verdicts(state.q, messages.delta, max_divergence)
     ok = verdict > 0
@@ -351,22 +350,39 @@ def server_update(state: ServerState, messages: ClientMessage, received: Array |
     sizes = jnp.asarray(STEP_SIZES, dtype=total.nat1.dtype)
     candidates = jax.vmap(lambda s: g.product(state.q, g.scale(total, s)))(sizes)
     accept = g.is_pd(candidates) & g.is_finite(candidates)
-    scored = jnp.asarray(score is not None)
     if score is not None:
         judge = partial(_no_drop, score, state.q, candidates, verdict != NOT_FINITE)
         if adaptive:
-            last = jnp.inf if state.moved is None else state.moved
-            full = g.kl(trees.first(candidates), state.q)  # NaN where not positive definite
-            scored = ~accept[0] | ~(full <= last)
-            judged = jax.lax.cond(scored, judge, lambda: jnp.ones(sizes.shape, bool))
+            flagged = _flagged(state.q, state.moved, trees.first(candidates))
+            judged = jax.lax.cond(flagged, judge, lambda: jnp.ones(sizes.shape, bool))
         else:
             judged = judge()
         accept = accept & judged
     step = jnp.where(jnp.any(accept), sizes[jnp.argmax(accept)], 0.0)
     q = g.product(state.q, g.scale(total, step))
     replies = jnp.where(ok, step, jnp.minimum(verdict, 0.0))
-    return state._replace(q=q, round=state.round + 1, moved=g.kl(q, state.q),
-                          scored=scored), replies
+    return state._replace(q=q, round=state.round + 1, moved=g.kl(q, state.q)), replies
+
+
+def _flagged(q: g.Gaussian, moved: Array | None, full: g.Gaussian) -> Array:
+    """The adaptive line search's check, from the server's own numbers: the full step to
+    ``full`` leaves q not positive definite, or moves it further than the last update moved it
+    (``moved``; None: no update yet)."""
+    last = jnp.inf if moved is None else moved
+    proper = g.is_pd(full) & g.is_finite(full)
+    return ~proper | ~(g.kl(full, q) <= last)  # a NaN divergence is flagged too
+
+
+@jax.jit
+def was_scored(q_old: g.Gaussian, moved: Array, q_new: g.Gaussian, step: Array) -> Array:
+    """Whether the adaptive line search scored a round (one more exchange in a deployment)
+    that took the server's ``q_old`` (its last update having moved it by ``moved``) to
+    ``q_new`` with ``step`` (the clients' largest reply: the step taken, 0 where every step was
+    refused though some updates were acceptable, negative where none was), its full step
+    recovered from the two. For the history; the server decides by :func:`server_update`."""
+    full = jax.tree_util.tree_map(lambda a, b: a + (b - a) / jnp.where(step > 0, step, 1.0),
+                                  q_old, q_new)
+    return jnp.where(step > 0, _flagged(q_old, moved, full), step == 0)
 
 
 def _no_drop(score: Callable[[g.Gaussian], tuple[Array, Array]], q: g.Gaussian,

@@ -81,8 +81,8 @@ class Static(NamedTuple):
     (a copy that later set-ups of the method's guide leave alone), the model as run (static
     keyword arguments bound), the compiled global ELBO (None: none), the clients' sizes, a
     private run's calibration and settings, the shrink warning's factor, EP's damping (a number
-    or a function of the server's round) and a one-shot's method (``"consensus"``: the server
-    merges the clients' draws)."""
+    or a function of the server's round), a one-shot's method (``"consensus"``: the server
+    merges the clients' draws) and the line search the run uses (:func:`line_search_for`)."""
 
     guide: PVIGuide
     model: Callable
@@ -93,6 +93,7 @@ class Static(NamedTuple):
     shrink_warning: float
     rho: Any = None
     one_shot: str | None = None
+    line_search: bool | str = False
 
 
 class Log(NamedTuple):
@@ -177,8 +178,7 @@ def record(before: RunState, after: RunState, msgs: Any, steps: Array, active: n
            "local_iterations": np.where(active, np.asarray(msgs.iterations, float), np.nan),
            "step": np.where(active, np.maximum(np.asarray(steps, float), 0.0), np.nan),
            "kl_change": float(_kl_change(q_new, q_old)),
-           "exchanges": (int(np.sum(active)) if plan.schedule == "sequential"
-                         else 1 + bool(after.server.scored))}
+           "exchanges": _exchanges(plan, before.server, after.server, steps, active)}
     row["elbo"] = np.nan
     dp_rounds = log.dp_rounds
     if st.privacy is not None:
@@ -188,6 +188,17 @@ def record(before: RunState, after: RunState, msgs: Any, steps: Array, active: n
         row["elbo"] = float(st.elbo(after.server, after.clients, after.data, after.masks,
                                     rng_key))
     return log._replace(rounds=rounds, dp_rounds=dp_rounds), row
+
+
+def _exchanges(plan: Any, old: pvi.ServerState, new: pvi.ServerState, steps: np.ndarray,
+               active: np.ndarray) -> int:
+    """The server's exchanges with its clients in a round, as a deployment makes them."""
+    if plan.schedule == "sequential":
+        return int(np.sum(active))
+    mode = plan.static.line_search if plan.trio.client_evaluate is not None else False
+    if mode == "adaptive":
+        return 1 + bool(pvi.was_scored(old.q, old.moved, new.q, np.max(steps)))
+    return 1 + bool(mode)
 
 
 def result(state: RunState, history: dict[str, np.ndarray],

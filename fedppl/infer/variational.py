@@ -199,13 +199,13 @@ class PVI(FederatedMethod):
                                          choice.prior is not None)
         if isinstance(self.privacy, DPVirtualParties):
             cstates = cstates._replace(parties=self.privacy.split(cstates.factor))
-        trio = shared(pvi_trio, choice.local, self.damping, guide, choice.prior,
-                      line_search_for(self.line_search, self.privacy, data_at_server),
+        line_search = line_search_for(self.line_search, self.privacy, data_at_server)
+        trio = shared(pvi_trio, choice.local, self.damping, guide, choice.prior, line_search,
                       self.schedule, self.max_divergence)
         elbo = (shared(elbo_fn, choice.local, model, choice.prior, guide, self.elbo_samples)
                 if self.elbo_samples > 0 else None)
         static = Static(guide, model, elbo, np.asarray(clients.sizes), choice.calibration,
-                        self.privacy, self.shrink_warning)
+                        self.privacy, self.shrink_warning, line_search=line_search)
         return Plan(trio, self.schedule, server, cstates, record, result,
                     log=start_log(clients.num_clients), rng_key=rng_key, static=static)
 

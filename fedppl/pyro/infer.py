@@ -118,13 +118,13 @@ class PVI(CorePVI):
             resume = SimpleNamespace(**to_jax({k: getattr(resume, k) for k in RESUMED}))
         server, cstates = initial_states(guide, clients.num_clients, to_jax(factors), resume,
                                          choice.prior is not None)
-        trio = shared(pvi_trio, choice.local, self.damping, guide, choice.prior,
-                      line_search_for(self.line_search, None, data_at_server), self.schedule,
-                      self.max_divergence)
+        line_search = line_search_for(self.line_search, None, data_at_server)
+        trio = shared(pvi_trio, choice.local, self.damping, guide, choice.prior, line_search,
+                      self.schedule, self.max_divergence)
         elbo = (shared(elbo_fn, choice.local, model, choice.prior, guide, self.elbo_samples)
                 if self.elbo_samples > 0 else None)
         static = Static(guide, model, elbo, np.asarray(clients.sizes), None, None,
-                        self.shrink_warning)
+                        self.shrink_warning, line_search=line_search)
         return Plan(trio, self.schedule, server, cstates, record, _torch_result,
                     log=start_log(clients.num_clients), rng_key=rng_key, static=static)
 

@@ -111,7 +111,7 @@ def test_line_search_refuses_a_step_that_lowers_the_score():
 def test_adaptive_line_search_scores_only_the_rounds_it_flags():
     """``adaptive``: a full step that moves q no further than the last update did is taken
     unscored; one that moves it further, or leaves q not positive definite, is scored (and here
-    halved, as the score asks), and the state says which rounds were scored."""
+    halved, as the score asks); :func:`pvi.was_scored` tells the rounds apart afterwards."""
     s = state()
     move = (jnp.array([3.0, 0.0]), jnp.zeros((2, 2)))
     full = float(g.kl(pvi.server_update(s, messages([move]))[0].q, s.q))  # 4.5 nats
@@ -120,18 +120,20 @@ def test_adaptive_line_search_scores_only_the_rounds_it_flags():
         mean, _ = g.to_moments(q)
         return -jnp.sum((mean - jnp.array([1.0, 0.0])) ** 2, keepdims=True), jnp.zeros(())
 
-    def run(state, msgs):
-        return pvi.server_update(state, msgs, score=score, adaptive=True)
+    def run(before, msgs):
+        new, steps = pvi.server_update(before, msgs, score=score, adaptive=True)
+        return new, steps, bool(pvi.was_scored(before.q, before.moved, new.q, jnp.max(steps)))
 
-    assert float(s.moved) == np.inf and not bool(s.scored)  # before the first update
-    new, steps = run(s._replace(moved=jnp.asarray(2.0 * full)), messages([move]))
-    assert float(steps[0]) == 1.0 and not bool(new.scored)  # not flagged: the score unused
+    assert float(s.moved) == np.inf  # before the first update
+    new, steps, scored = run(s._replace(moved=jnp.asarray(2.0 * full)), messages([move]))
+    assert float(steps[0]) == 1.0 and not scored  # not flagged: the score unused
     np.testing.assert_allclose(float(new.moved), full)
-    new, steps = run(s._replace(moved=jnp.asarray(0.5 * full)), messages([move]))
-    assert float(steps[0]) == 0.5 and bool(new.scored)  # further than the last: scored
+    new, steps, scored = run(s._replace(moved=jnp.asarray(0.5 * full)), messages([move]))
+    assert float(steps[0]) == 0.5 and scored  # further than the last update: scored
     shrink = (jnp.zeros(2), -0.6 * jnp.eye(2))  # together not positive definite at step 1
-    new, steps = run(s, messages([shrink, shrink]))
-    assert bool(new.scored) and float(steps[0]) < 1.0
-    # every round scored without adaptive, none without a score
-    assert bool(pvi.server_update(s, messages([move]), score=score)[0].scored)
-    assert not bool(pvi.server_update(s, messages([move]))[0].scored)
+    new, steps, scored = run(s, messages([shrink, shrink]))
+    assert float(steps[0]) == 0.5 and scored
+    # every round scored without adaptive: the full step is halved even when not flagged
+    new, steps = pvi.server_update(s._replace(moved=jnp.asarray(2.0 * full)), messages([move]),
+                                   score=score)
+    assert float(steps[0]) == 0.5
