@@ -43,6 +43,13 @@ stop_all() {  # SIGTERM to each process group, then SIGKILL to what is left afte
         sleep 0.1
     done
     for pid in "${PIDS[@]}"; do kill -KILL -- "-$pid" 2>/dev/null || true; done
+    # the SuperLink starts a run's ServerApp detached (a session of its own); it exits by itself
+    # once it sees the SuperLink gone, which a busy one is slow to notice: it is told here
+    local ours=(-f -- "--root-certificates $CERTS/ca.crt")
+    command -v pkill > /dev/null || return 0
+    pkill -TERM "${ours[@]}" 2>/dev/null || return 0
+    for _ in $(seq 100); do pgrep "${ours[@]}" > /dev/null || return 0; sleep 0.1; done
+    pkill -KILL "${ours[@]}" 2>/dev/null || true
 }
 trap stop_all EXIT
 trap 'exit 130' INT TERM
