@@ -14,12 +14,9 @@ lives in its Flower context (``fedppl.runtime.flower`` keeps it there), and ever
 shares one JAX persistent compilation cache (``jax_cache``, a temporary folder unless given),
 so that only the first compiles.
 
-Across real machines the same commands run with TLS instead of ``--insecure``::
-
-    flower-superlink --ssl-ca-certfile ca.crt --ssl-certfile server.pem --ssl-keyfile server.key
-    flower-supernode --superlink SERVER:9091 --root-certificates ca.crt \\
-        --node-config "partition-id=0 num-partitions=3"
-    flwr run examples/flower my-superlink   # [superlink.my-superlink] in $FLWR_HOME/config.toml
+Across real machines the same processes run with TLS instead of ``--insecure``:
+``examples/flower/README.md`` gives the commands (certificates, a SuperLink, SuperNodes each
+beside its worker, ``flwr run``), and ``examples/flower/run_localhost.sh`` runs them.
 
 Example (``tests/runtime/test_flower_deployment.py`` runs it)::
 

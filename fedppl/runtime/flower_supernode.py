@@ -4,10 +4,11 @@ Flower 1.42's SuperNode asks its SuperLink for a message, and when none is waiti
 before asking again (a constant in ``flwr.supernode.start_client_internal``); it looks for its
 ClientApp's reply every 0.5 s. A round that sends each node one message therefore waits about
 3 s at every node, whatever the work. ``python -m fedppl.runtime.flower_supernode`` runs the
-same SuperNode (every ``flower-supernode`` option, unchanged) with those waits shortened to
-``--poll`` seconds (default 0.05) for ``--busy`` seconds (default 30) after the node last
-handled a message, and Flower's own waits otherwise, so an idle node asks its SuperLink no more
-often than Flower's does::
+same SuperNode (every ``flower-supernode`` option, unchanged) with its wait for a reply cut to
+``--poll`` seconds (default 0.05) and its idle wait starting at ``--poll`` after each message and
+growing by half each time to Flower's 3 s, for ``--busy`` seconds (default 30) after the node
+last handled a message; an idle node asks its SuperLink no more often than Flower's does, and a
+busy one a few times a second at most while it waits for the next round::
 
     python -m fedppl.runtime.flower_supernode --poll 0.05 -- --isolation process \\
         --superlink SERVER:9092 --root-certificates ca.crt --port 9094 \\
@@ -31,18 +32,26 @@ __all__ = ["BusyClock", "main"]
 
 
 class BusyClock:
-    """The ``time`` module, its ``sleep`` shortened to ``poll`` seconds within ``busy`` seconds
-    of the last short wait (Flower's SuperNode waits briefly only while it handles a message)."""
+    """The ``time`` module, with Flower's idle wait (3 s) shortened while the node is busy: the
+    first wait after the node handled a message is ``poll`` seconds, each further one 1.5 times
+    longer, up to Flower's own; after ``busy`` seconds without a message, Flower's own wait.
+    (Flower's SuperNode makes shorter waits only while it handles a message: those mark it
+    busy, and are cut to ``poll``.)"""
 
     def __init__(self, poll: float, busy: float, idle_wait: float = 3.0):
         self.poll, self.busy, self.idle_wait = poll, busy, idle_wait
-        self.last = -float("inf")
+        self.last, self.wait = -float("inf"), poll
 
     def sleep(self, seconds: float) -> None:
         now = time.monotonic()
         if seconds < self.idle_wait:  # waiting for a reply: the node is handling a message
-            self.last = now
-        time.sleep(min(seconds, self.poll) if now - self.last < self.busy else seconds)
+            self.last, self.wait = now, self.poll
+            time.sleep(min(seconds, self.poll))
+        elif now - self.last < self.busy:
+            time.sleep(min(seconds, self.wait))
+            self.wait = min(seconds, 1.5 * self.wait)
+        else:
+            time.sleep(seconds)
 
     def __getattr__(self, name: str) -> Any:
         return getattr(time, name)

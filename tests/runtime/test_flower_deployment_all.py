@@ -1,10 +1,10 @@
-"""Every Flower task on the Deployment Engine (a SuperLink and three SuperNodes on 127.0.0.1)
-equals the embedded runtime: PVI (both schedules), FSGP, FedBNR, the DPO sparse GP and pFed-Mul.
+"""Every Flower task on the Deployment Engine (a SuperLink and three SuperNodes on 127.0.0.1,
+each beside its warm ClientApp process) equals the embedded runtime: PVI (both schedules), FSGP,
+FedBNR, the DPO sparse GP and pFed-Mul.
 
-Flower 1.42 starts a fresh ClientApp process for every message (several seconds each on 2
-cores), so these six runs take about ten minutes: they run when ``FEDPPL_FLOWER_FULL=1`` is set, and
-``make test`` runs the Deployment Engine's fault test (``test_flower_deployment.py``) and every
-task on the Simulation Engine, whose ServerApp and ClientApp are the same code.
+They run when ``FEDPPL_FLOWER_FULL=1`` is set; ``make test`` runs the Deployment Engine's own
+tests (``test_flower_deployment.py``: warm processes, faults) and every task on the Simulation
+Engine, whose ServerApp and ClientApp are the same code.
 """
 
 from __future__ import annotations
