@@ -79,8 +79,16 @@ except ImportError as err:  # pragma: no cover - the extra is installed by make 
     raise ImportError("fedppl.runtime.flower needs Flower: pip install 'fedppl[flower]'") from err
 
 from fedppl.runtime.embedded import ClientMap, host_map, make_round
-from fedppl.runtime.flower_node import Node
+from fedppl.runtime.flower_node import Node, secure_form, secure_request
 from fedppl.runtime.flower_wire import is_key, pack, record_bytes, unpack
+from fedppl.runtime.secagg import (
+    as_tree,
+    request,
+    secure_exchange,
+    secure_mod,
+    share,
+    size_of,
+)
 from fedppl.runtime.task import Task
 from fedppl.trees import index, stack, zeros
 
@@ -163,13 +171,16 @@ class FlowerApp:
         def setup(msg: Message, context: Context) -> Message:
             return Node(self, context, msg.content).setup(msg)
 
-        @app.train()
+        # a secure round's train messages carry SecAgg+'s stages (Task.secure): the mod masks
+        @app.train(mods=[secure_mod])
         def train(msg: Message, context: Context) -> Message:
             return Node(self, context, msg.content).train(msg)
 
         @app.evaluate()
         def evaluate(msg: Message, context: Context) -> Message:
-            return Node(self, context, msg.content).evaluate(msg)
+            node = Node(self, context, msg.content)
+            secure_request(node, msg.content)  # a secure task's node refuses to answer in clear
+            return node.evaluate(msg)
 
         @app.query("finish")
         def finish(msg: Message, context: Context) -> Message:
@@ -390,7 +401,8 @@ class _Server:
             got = self._train(server, {int(k): key}, like)
             return got.get(int(k), zeros(like)), client, int(k) in got
 
-        return host_map(update, step, self._evaluator)
+        return host_map(update, step, self._evaluator if self.task.secure is None
+                        else self._secure_evaluator)
 
     def _start(self, clients: Any, rows: int) -> None:
         """The second set-up exchange: each node's initial state (the node builds and compiles
@@ -404,13 +416,15 @@ class _Server:
 
     def _train(self, server: Any, keys: dict[int, Any], like: Any) -> dict[int, Any]:
         """One ``train`` exchange with the clients ``keys`` names (each sent its key): the
-        messages that arrived and passed the checks."""
+        messages that arrived and passed the checks (``Task.secure``: :meth:`_secure_train`)."""
         contents = {}
         for k in sorted(keys):
             content = self._replies(k)
             content["server"], content["key"] = pack(server), pack(keys[k])
             content.config_records["meta"]["round"] = int(self.round)
             contents[k] = content
+        if self.task.secure is not None:
+            return self._secure_train(server, contents, like)
         msgs = {}
         for k, a in self._exchange(contents, "train", self.task.round_timeout).items():
             if not isinstance(a, str):  # it answered: it has applied every reply it was sent
@@ -422,6 +436,70 @@ class _Server:
             except (ValueError, KeyError) as err:
                 self.faults.append((self.round, self.names[k], str(err)))
         return msgs
+
+    def _secure_train(self, server: Any, contents: dict[int, RecordDict], like: Any
+                      ) -> dict[int, Any]:
+        """A ``train`` exchange through SecAgg+: the server gets only the sum of the clients'
+        summands (their messages in the method's :class:`~fedppl.runtime.flower_node.SecureForm`)
+        and gives each client the sum covers the same message, one of ``n`` that the method's
+        server update folds as it folds theirs."""
+        form = secure_form(self.task.method, like)
+        if len(contents) < 2:
+            raise FlowerError(f"secure aggregation sums the messages of 2 or more clients; this "
+                              f"round asks {len(contents)} (a sequential schedule?)")
+        got = self._secure_sum({k: request(c, self.task.secure, "train")
+                                for k, c in contents.items()}, like)
+        for k in got:  # it answered: it has applied every reply it was sent
+            self.pending.pop(k, None)
+        if not got:
+            return {}
+        total = as_tree(got[min(got)], like)
+        one = form.message(server, jax.tree_util.tree_map(jnp.asarray, total), len(got))
+        return {k: one for k in got}
+
+    def _secure_sum(self, contents: dict[int, RecordDict], like: Any) -> dict[int, np.ndarray]:
+        """One SecAgg+ exchange with the clients ``contents`` names: the flat sum, keyed by each
+        client it covers (a node that drops out is recorded in ``faults``)."""
+        summed = secure_exchange(lambda msgs, t: list(self.grid.send_and_receive(msgs, timeout=t)),
+                                 {self.node_of[k]: c for k, c in contents.items()},
+                                 self.task.secure, size_of(like), group=self.round,
+                                 timeout=self.task.round_timeout)
+        self.traffic += summed.traffic
+        by_node = {v: k for k, v in self.node_of.items()}
+        for node, why in sorted(summed.errors.items()):
+            self.faults.append((self.round, self.names[by_node[node]], why))
+        return {by_node[node]: summed.total for node in sorted(summed.nodes)
+                if summed.total is not None}
+
+    def _secure_evaluator(self, trio: Any, proposed: Any, data: Any, masks: Any
+                          ) -> Callable | None:
+        """:meth:`_evaluator` through SecAgg+ (``Task.secure``): each client that the sum covers
+        gets ``1/n`` of it (so the clients' values add up to the total), the others NaN (as an
+        evaluation a client missed)."""
+        if trio.client_evaluate is None:
+            return None
+        K = masks.shape[0]
+
+        def evaluate(candidate):
+            one = jax.eval_shape(trio.client_evaluate, candidate,
+                                 *_one_shape((proposed, data, masks)))
+
+            def exchange(candidate):
+                got = self._secure_sum({k: request(RecordDict({
+                    "candidate": pack(candidate), "meta": ConfigRecord({"round": self.round})}),
+                    self.task.secure, "evaluate") for k in range(K)}, one)
+                covered = sorted(got)
+                missed = jax.tree_util.tree_map(  # as an evaluation a client missed
+                    lambda s: np.full(s.shape, np.nan if s.dtype.kind == "f" else 0, s.dtype), one)
+                rows = [share(as_tree(got[k], one), len(got), covered.index(k)) if k in got
+                        else missed for k in range(K)]
+                return jax.tree_util.tree_map(lambda *xs: np.stack(xs), *rows)
+
+            like = jax.tree_util.tree_map(lambda s: jax.ShapeDtypeStruct((K, *s.shape), s.dtype),
+                                          one)
+            return jax.pure_callback(exchange, like, candidate)
+
+        return evaluate
 
     def _replies(self, k: int) -> RecordDict:
         """The server's replies to client k's messages that it has not confirmed: it applies

@@ -25,6 +25,7 @@ except ImportError as err:  # pragma: no cover - the extra is installed by make 
                       ) from err
 
 from fedppl.runtime.flower_wire import pack, shapes, unflatten, unpack
+from fedppl.runtime.secagg import requested, summand_content
 from fedppl.trees import index
 
 if TYPE_CHECKING:
@@ -193,9 +194,12 @@ class Node:
         return client
 
     def train(self, msg: Message) -> Message:
+        content = msg.content
+        secure = secure_request(self, content)
+        if secure is not None and secure["exchange"] == "evaluate":
+            return _secure_evaluation(self, msg, float(secure["scale"]))
         meta = self._meta()
         built = self._built(int(meta["rows"]))
-        content = msg.content
         client = self._acknowledge(built, content, meta)
         server = unflatten(content["server"], built.server)
         key = unpack(content["key"], jax.random.key(0), "the server", "key")
@@ -213,16 +217,22 @@ class Node:
         self.context.state["fedppl.proposed"] = pack(proposed)
         meta["pending"] = rnd
         self._save(client, meta)
-        sent = pack(message)
+        sent: Any = message
         if callable(fault):
-            sent = pack(fault(message))
+            sent = fault(message)
         elif fault == "slow":
             time.sleep(2.0 * (self.task.round_timeout or 1.0) + 1.0)
-        elif fault == "wrong_shape":
-            sent = pack([*jax.tree_util.tree_leaves(message), np.zeros(3)])
-        elif fault is not None:
+        elif fault is not None and fault != "wrong_shape":
             raise ValueError(f"unknown fault {fault!r}")
-        return Message(RecordDict({"message": sent}), reply_to=msg)
+        if secure is not None:  # only the summand leaves, masked (SecAgg+)
+            sent = _secure_summand(self, server, sent, float(secure["scale"]))
+        if fault == "wrong_shape":
+            sent = [*jax.tree_util.tree_leaves(sent), np.zeros(3)]
+        if secure is not None:
+            return Message(summand_content(sent, float(secure["scale"]),
+                                           f"partition {self.partition}"),
+                           reply_to=msg)
+        return Message(RecordDict({"message": pack(sent)}), reply_to=msg)
 
     def evaluate(self, msg: Message) -> Message:
         meta = self._meta()
@@ -248,6 +258,83 @@ class Node:
         built = self._built(int(meta["rows"]))
         self._save(self._acknowledge(built, msg.content, meta), meta)
         return Message(RecordDict({"ok": ConfigRecord({"ok": True})}), reply_to=msg)
+
+
+# -- secure aggregation (fedppl.runtime.secagg): the node's side ------------------------------
+
+
+class SecureForm(NamedTuple):
+    """How a method's ``train`` messages enter a secure sum: ``summand(server, message) ->
+    (summand, ok)`` on the node (``ok``: the server's own check of the message, made by the node,
+    as the server sees only the sum; ``check`` names it), and ``message(server, total, n)`` on
+    the server: one of ``n`` equal messages that the method's server update folds as it folds
+    the ``n`` messages whose summands add to ``total``."""
+
+    summand: Callable
+    message: Callable
+    check: str
+
+
+def secure_form(method: Any, like: Any) -> SecureForm:
+    """The secure form of ``method``'s messages (shaped as ``like``); a ``ValueError`` says why
+    a method has none: its server needs each client's message, not only their sum."""
+    from fedppl.algorithms import fedbnr, fsgp
+
+    name = getattr(method, "name", type(method).__name__)
+    if _private(method):
+        raise ValueError(f"{name} with privacy= and secure aggregation together is not "
+                         "supported: run one or the other")
+    if isinstance(like, fsgp.Message):
+        return SecureForm(fsgp.secure_summand, fsgp.secure_message,
+                          "finite parameters, plausible statistics")
+    if isinstance(like, fedbnr.KernelMessage):
+        kernel, layer = getattr(method, "kernel", "avg"), getattr(method, "last_layer", "global")
+        if kernel != "avg" or layer != "global":
+            raise ValueError(f"FedBNR with kernel={kernel!r} and last_layer={layer!r}: secure "
+                             "aggregation gives the server only sums, which serve the shared "
+                             "'avg' kernel and the global last layer ('kd' distils each "
+                             "client's kernel, 'local' keeps each client's own)")
+        return SecureForm(fedbnr.secure_summand, fedbnr.secure_message, "finite parameters")
+    raise ValueError(f"{name}'s server needs each client's message, not only their sum (PVI's "
+                     "judges each factor's change before it adds it), so secure aggregation "
+                     "(Task.secure) cannot serve it; it serves FSGP and FedBNR")
+
+
+_SUMMANDS: dict[Callable, Callable] = {}
+
+
+def _secure_summand(node: Node, server: Any, message: Any, scale: float) -> Any:
+    """What the node adds into the secure sum in place of its message; raises (naming the node)
+    where the server would refuse the message, which the server cannot see."""
+    form = secure_form(node.task.method, message)
+    if form.summand not in _SUMMANDS:
+        _SUMMANDS[form.summand] = jax.jit(form.summand)
+    summand, ok = _SUMMANDS[form.summand](server, message)
+    if not bool(ok):
+        raise ValueError(f"partition {node.partition}: its message fails the server's check "
+                         f"({form.check}); under secure aggregation the node withholds it")
+    return summand
+
+
+def secure_request(node: Node, content: RecordDict) -> dict[str, Any] | None:
+    """What a train message asks of SecAgg+ (None: a plain one). A node whose task aggregates
+    securely refuses a plain message, and one whose scale is not its task's."""
+    asked, secure = requested(content), node.task.secure
+    if secure is not None and asked is None:
+        raise ValueError(f"partition {node.partition}: the task aggregates securely "
+                         "(Task.secure); the server asked for a message in the clear, which "
+                         "this node does not send")
+    if secure is not None and asked is not None and float(asked["scale"]) != secure.scale:
+        raise ValueError(f"partition {node.partition}: the server asked for scale "
+                         f"{asked['scale']}, the task's is {secure.scale}")
+    return asked
+
+
+def _secure_evaluation(node: Node, msg: Message, scale: float) -> Message:
+    """An evaluation exchange through SecAgg+: the node's value (its statistics under the
+    candidate, FedBNR's) enters the sum, after the server's check of it (finite)."""
+    value = node.evaluate(msg).content.array_records["value"].to_numpy_ndarrays()
+    return Message(summand_content(value, scale, f"partition {node.partition}"), reply_to=msg)
 
 
 def _private(method: Any) -> bool:
