@@ -1,13 +1,24 @@
 """What running on Flower costs: seconds and bytes per synchronous PVI round, embedded runtime
 against Flower's Simulation Engine and its Deployment Engine (a SuperLink and K SuperNodes as
-local processes, ``fedppl.runtime.deployment``), at K = 10 and 100 clients.
+local processes, ``fedppl.runtime.deployment``), at K = 10 and 50 clients.
 
 The task is Bayesian linear regression (5 features, 20 rows per client, closed-form local step),
 so the figures are the runtime's overhead, not the local work. Seconds per round are the median
-over the rounds after the first (the first compiles). Writes
-``benchmarks/results/flower_overhead.json``.
+over the rounds after the first (the first compiles; it is reported apart). The Deployment
+Engine runs in three forms:
 
-    python benchmarks/flower_overhead.py [--clients 10 100] [--rounds 4] [--engines ...]
+* ``deployment``: each SuperNode beside a warm ClientApp process (``fedppl.runtime.flower_worker``)
+  and checking for messages every 0.05 s while busy (``fedppl.runtime.flower_supernode``), with
+  a cold JAX compilation cache, then ``deployment-warm-cache``: a second deployment (fresh
+  processes) of the same task on the cache the first one filled;
+* ``deployment-flower-poll``: the warm ClientApp processes beside Flower's own SuperNode (its
+  3 s idle poll);
+* ``deployment-subprocess``: Flower's default, a fresh ClientApp process for every message.
+
+Memory per SuperNode is the resident memory of its processes (the SuperNode's and, with warm
+workers, its share of theirs) after the run. Writes ``benchmarks/results/flower_overhead.json``.
+
+    python benchmarks/flower_overhead.py [--clients 10 50] [--rounds 6] [--engines ...]
 
 (run from the repository root: the deployment's processes import this module by name).
 """
@@ -31,11 +42,11 @@ from fedppl.models import linear_regression
 jax.config.update("jax_enable_x64", True)
 
 OUT = Path(__file__).parent / "results" / "flower_overhead.json"
-ENGINES = ("embedded", "simulation", "deployment")
-# resident memory of one idle SuperNode (flower-supernode and its children), measured here with
-# `ps` on fedppl.runtime.deployment.LocalDeployment's processes; a ClientApp process with JAX and
-# fedppl peaks at about 0.5 GiB more while it handles a message
-NODE_GIB = 0.26
+ENGINES = ("embedded", "simulation", "deployment", "deployment-warm-cache",
+           "deployment-flower-poll", "deployment-subprocess")
+# resident memory of one SuperNode with its warm ClientApp process (measured by this script at
+# K = 10); what the memory check before a run assumes
+NODE_GIB = 0.6
 
 
 def _memory_gib() -> float:
@@ -66,7 +77,46 @@ def _row(engine: str, K: int, history: dict, wall: float) -> dict:
             "bytes_down_per_round": float(np.median(down)), "wall_seconds": wall}
 
 
-def run(engine: str, K: int, rounds: int) -> dict:
+def _rss_gib(fed) -> dict[str, float]:
+    """Resident memory (GiB) of each of a local deployment's process groups, by name."""
+    groups = {p.pid: name for name, p in fed.procs.items()}
+    out = dict.fromkeys(groups.values(), 0.0)
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+            pgid, rss_pages = int(fields[2]), int(fields[21])
+        except (OSError, ValueError, IndexError):
+            continue
+        if pgid in groups:
+            out[groups[pgid]] += rss_pages * os.sysconf("SC_PAGE_SIZE") / 2**30
+    return out
+
+
+def _deploy(engine: str, K: int, rounds: int, workers: int | None, cache: str) -> dict:
+    from fedppl.runtime.deployment import LocalDeployment
+
+    options = {"deployment-flower-poll": {"node_poll": None},
+               "deployment-subprocess": {"isolation": "subprocess", "node_poll": None}}
+    app = Path(__file__).resolve().parents[1] / "examples" / "flower"
+    t0 = time.perf_counter()
+    with tempfile.TemporaryDirectory() as out, \
+            LocalDeployment(K, jax_cache=cache, workers=workers, start_timeout=300,
+                            **options.get(engine, {})) as fed:
+        fed.run(app, run_config={"task": "benchmarks.flower_overhead:task",
+                                 "num-clients": K, "num-rounds": rounds,
+                                 "result-dir": out}, timeout=3600)
+        rss = _rss_gib(fed)
+        with open(os.path.join(out, "result.json")) as f:
+            history = json.load(f)["history"]
+    row = _row(engine, K, history, time.perf_counter() - t0)
+    nodes = sum(v for n, v in rss.items() if n.startswith(("node-", "worker-")))
+    row.update(memory_gib_per_supernode=nodes / K, workers=workers or K,
+               superlink_gib=rss.get("superlink", 0.0))
+    return row
+
+
+def run(engine: str, K: int, rounds: int, workers: int | None = None,
+        cache: str | None = None) -> dict:
     config = {"num-clients": K, "num-rounds": rounds}
     t0 = time.perf_counter()
     if engine == "embedded":
@@ -78,38 +128,37 @@ def run(engine: str, K: int, rounds: int) -> dict:
 
         result = FlowerApp(task).simulate(config)
     else:
-        from fedppl.runtime.deployment import LocalDeployment
-
-        need, have = K * NODE_GIB, _memory_gib()
+        need, have = (workers or K) * NODE_GIB + K * 0.15, _memory_gib()
         if need > 0.8 * have:
-            raise MemoryError(f"{K} SuperNodes need about {need:.0f} GiB ({NODE_GIB} GiB each, "
-                              f"measured, before their ClientApp processes); this machine has "
-                              f"{have:.0f} GiB")
-
-        app = Path(__file__).resolve().parents[1] / "examples" / "flower"
-        with tempfile.TemporaryDirectory() as out, LocalDeployment(K) as fed:
-            fed.run(app, run_config={"task": "benchmarks.flower_overhead:task",
-                                     "num-clients": K, "num-rounds": rounds,
-                                     "result-dir": out}, timeout=3600)
-            with open(os.path.join(out, "result.json")) as f:
-                history = json.load(f)["history"]
-        return _row(engine, K, history, time.perf_counter() - t0)
+            raise MemoryError(f"{K} SuperNodes with {workers or K} warm ClientApp processes "
+                              f"need about {need:.0f} GiB; this machine has {have:.0f} GiB "
+                              "(give --workers)")
+        assert cache is not None
+        return _deploy(engine, K, rounds, workers, cache)
     return _row(engine, K, result.history, time.perf_counter() - t0)
 
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--clients", type=int, nargs="+", default=[10, 100])
-    p.add_argument("--rounds", type=int, default=4)
+    p.add_argument("--clients", type=int, nargs="+", default=[10, 50])
+    p.add_argument("--rounds", type=int, default=6)
+    p.add_argument("--workers", type=int, nargs="+", default=None,
+                   help="warm ClientApp processes per K (default one per SuperNode)")
     p.add_argument("--repeats", type=int, default=1,
                    help="runs per engine and K; the row is the median over them")
     p.add_argument("--engines", nargs="+", default=list(ENGINES), choices=ENGINES)
     args = p.parse_args()
     rows = []
-    for K in args.clients:
+    for i, K in enumerate(args.clients):
+        workers = None if args.workers is None else args.workers[i]
+        cache = tempfile.mkdtemp(prefix="fedppl-jax-cache-")  # cold, then warm
         for engine in args.engines:
             try:
-                runs = [run(engine, K, args.rounds) for _ in range(args.repeats)]
+                runs = []
+                for _ in range(args.repeats):
+                    if engine == "deployment":  # each repeat's first round from a cold cache
+                        cache = tempfile.mkdtemp(prefix="fedppl-jax-cache-")
+                    runs.append(run(engine, K, args.rounds, workers, cache))
             except ImportError as err:
                 print(f"skipping {engine}: {err}")
                 continue

@@ -69,6 +69,9 @@ class Node:
             x64 = content.config_records["meta"].get("x64", x64)
         if x64 is not None:
             jax.config.update("jax_enable_x64", bool(x64))
+        cache = context.node_config.get("jax-cache-dir")
+        if cache:  # the node's persistent compilation cache (its operator's choice)
+            use_compilation_cache(str(cache))
         self.task = app.task_for(dict(context.run_config))
         self.partition = int(context.node_config.get("partition-id", 0))
         if content is not None and "init" in content.array_records:
@@ -258,6 +261,16 @@ class Node:
         built = self._built(int(meta["rows"]))
         self._save(self._acknowledge(built, msg.content, meta), meta)
         return Message(RecordDict({"ok": ConfigRecord({"ok": True})}), reply_to=msg)
+
+
+def use_compilation_cache(path: str | os.PathLike) -> None:
+    """JAX's persistent compilation cache in ``path`` for this process, every compiled program
+    kept (JAX's default keeps only those that took a second or more to compile; a node's steps
+    take less), so a restarted node, or a second run of the same task, loads its steps."""
+    os.makedirs(path, exist_ok=True)
+    if getattr(jax.config, "jax_compilation_cache_dir", None) != str(path):
+        jax.config.update("jax_compilation_cache_dir", str(path))
+    jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
 
 
 # -- secure aggregation (fedppl.runtime.secagg): the node's side ------------------------------

@@ -1,10 +1,7 @@
 """fedppl on Flower's Deployment Engine: a real SuperLink and three SuperNodes as processes on
-127.0.0.1, the run submitted with ``flwr run``, faults injected into the real thing.
-
-Flower 1.42 starts a fresh ClientApp process for every message (Python, JAX and the node's
-compiled step each time: about 10 s a message on 2 cores), so one run carries both checks: the
-answer equals the embedded runtime's (for the clients that took part) and faults leave the
-server intact.
+127.0.0.1, each beside its warm ClientApp process (``fedppl.runtime.flower_worker``), the run
+submitted with ``flwr run``, faults injected into the real thing: the answer equals the embedded
+runtime's (for the clients that took part) and faults leave the server intact.
 """
 
 from __future__ import annotations
@@ -21,11 +18,14 @@ import pytest
 pytest.importorskip("flwr", reason="the Flower tests need the flower extra: "
                     "pip install 'fedppl[flower]'")
 
-from fedppl.runtime.deployment import DeploymentError, LocalDeployment
+from fedppl.runtime.deployment import DeploymentError, LocalDeployment, write_app
 
 from . import flower_tasks
 
 APP = Path(__file__).parent / "flower_app"
+# a round's timeout: a warm node answers within a second (its step compiled at set-up), so a
+# node that has not answered in 8 s on a loaded 2-core machine is the injected straggler
+TIMEOUT = 8.0
 
 jax.config.update("jax_enable_x64", True)
 
@@ -44,6 +44,37 @@ def fed():
         yield deployment
 
 
+def test_warm_workers_serve_every_message(fed, tmp_path):
+    """Every message of a run is handled by the nodes' warm ClientApp processes (none is
+    started per message), the answer is the embedded runtime's, and the server compiles its
+    update in the first round only. A second app (another FAB) on the same nodes makes each
+    worker start afresh for it, and its answer is the same."""
+    result, got = _run(fed, tmp_path, method="pvi-synchronous", rounds=3,
+                       **{"line-search": False})
+    _, want = flower_tasks.embedded("pvi-synchronous", rounds=3, line_search=False)
+    for a, b in zip(got, want, strict=True):
+        np.testing.assert_allclose(a, b, rtol=1e-9, atol=1e-10)
+    assert result["rejected"] == []
+    # each node's messages (set-up, rounds, finish) all handled by its own warm process
+    for k in range(3):
+        received = fed.log(f"node-{k}").count("Receiving: ")
+        assert received >= 3 + 3 and fed.log(f"worker-{k}").count("message: ") == received
+    compiles = result["history"]["server_compiles"]
+    assert compiles[0] > 0 and not any(compiles[1:]), compiles
+    other = write_app(tmp_path / "other", "tests.runtime.flower_tasks:task",
+                      {"method": "pvi-synchronous", "rounds": 1, "line-search": False,
+                       "result-dir": ""},
+                      name="fedppl-other-app")
+    out = tmp_path / "other-out"
+    fed.run(other, {"result-dir": str(out)}, timeout=600)
+    with np.load(out / "state.npz") as f:
+        again = [f[k] for k in sorted(f.files, key=lambda s: int(s.split("_")[1]))]
+    _, want = flower_tasks.embedded("pvi-synchronous", rounds=1, line_search=False)
+    for a, b in zip(again, want, strict=True):
+        np.testing.assert_allclose(a, b, rtol=1e-9, atol=1e-10)
+    assert all("restarting the worker" in fed.log(f"worker-{w}") for w in range(3))
+
+
 def test_faults_on_the_real_engine(fed, tmp_path):
     """PVI on the Deployment Engine with a straggler slower than the round's timeout and a node
     that sends NaN (round 2), the same node sending a message with which q is not positive
@@ -59,7 +90,7 @@ def test_faults_on_the_real_engine(fed, tmp_path):
         try:
             done["out"] = _run(fed, tmp_path, method="pvi-synchronous", rounds=3,
                                faults="1:2:slow 2:2:nan 2:3:improper",
-                               **{"round-timeout": 20.0, "line-search": False})
+                               **{"round-timeout": TIMEOUT, "line-search": False})
         except BaseException as err:  # reported below
             done["error"] = err
 
@@ -77,8 +108,8 @@ def test_faults_on_the_real_engine(fed, tmp_path):
     why = {(r, who): reason for r, who, reason in result["rejected"]
            if not reason.startswith("final acknowledgement")}
     # the injected faults (on a loaded machine a slow answer may show as a timeout instead)
-    for key, cause in (((2, "client 1"), "no answer within 20"), ((2, "client 2"), "not finite"),
-                       ((3, "client 2"), "positive definite")):
+    for key, cause in (((2, "client 1"), f"no answer within {TIMEOUT:g}"),
+                       ((2, "client 2"), "not finite"), ((3, "client 2"), "positive definite")):
         assert key in why and (cause in why[key] or "no answer" in why[key]), why
     assert "no answer" in why[(3, "client 0")]  # gone from round 2 or 3 on
     absent: dict[int, list[int]] = {}

@@ -52,6 +52,9 @@ def test_simulation_equals_embedded(name):
         np.testing.assert_array_equal(result.history[key], want_result.history[key])
     # what crossed the wire: at least the payload the method counts
     assert np.all(result.history["wire_bytes_up"] >= result.history["bytes_up"])
+    # the server compiles its update in the first round only (later rounds reuse it)
+    compiles = np.asarray(result.history["server_compiles"])
+    assert compiles[0] > 0 and np.all(compiles[1:] == 0), compiles
     # the server set up without the data (a set-up that reads them is refused:
     # tests/infer/test_sgp_edge_cases.py), so figures that need them are NaN
     need_data = {"pvi-synchronous": "elbo", "pvi-sequential": "elbo", "fsgp": "bound",
