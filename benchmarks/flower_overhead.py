@@ -62,15 +62,16 @@ def task(run_config):
     X = rng.normal(size=(20 * K, 5))
     y = X @ rng.normal(size=5) + rng.normal(size=20 * K)
     clients = fedppl.partition.homogeneous(X, y, num_clients=K, seed=0)
-    pvi = fedppl.PVI(linear_regression, fedppl.PVIGuide(linear_regression))
+    pvi = fedppl.PVI(linear_regression, fedppl.PVIGuide(linear_regression),
+                     schedule=str(run_config.get("schedule", "synchronous")))
     return Task(pvi, clients.client, K, int(run_config["num-rounds"]))
 
 
-def _row(engine: str, K: int, history: dict, wall: float) -> dict:
+def _row(engine: str, K: int, history: dict, wall: float, schedule: str) -> dict:
     seconds = np.asarray(history["seconds"])
     up = history.get("wire_bytes_up", history["bytes_up"])
     down = history.get("wire_bytes_down", history["bytes_down"])
-    return {"engine": engine, "clients": K, "rounds": len(seconds),
+    return {"engine": engine, "clients": K, "schedule": schedule, "rounds": len(seconds),
             "seconds_per_round": float(np.median(seconds[1:] if len(seconds) > 1 else seconds)),
             "first_round_seconds": float(seconds[0]),
             "bytes_up_per_round": float(np.median(up)),
@@ -92,7 +93,8 @@ def _rss_gib(fed) -> dict[str, float]:
     return out
 
 
-def _deploy(engine: str, K: int, rounds: int, workers: int | None, cache: str) -> dict:
+def _deploy(engine: str, K: int, rounds: int, workers: int | None, cache: str,
+            schedule: str) -> dict:
     from fedppl.runtime.deployment import LocalDeployment
 
     options = {"deployment-flower-poll": {"node_poll": None},
@@ -104,11 +106,11 @@ def _deploy(engine: str, K: int, rounds: int, workers: int | None, cache: str) -
                             **options.get(engine, {})) as fed:
         fed.run(app, run_config={"task": "benchmarks.flower_overhead:task",
                                  "num-clients": K, "num-rounds": rounds,
-                                 "result-dir": out}, timeout=3600)
+                                 "schedule": schedule, "result-dir": out}, timeout=3600)
         rss = _rss_gib(fed)
         with open(os.path.join(out, "result.json")) as f:
             history = json.load(f)["history"]
-    row = _row(engine, K, history, time.perf_counter() - t0)
+    row = _row(engine, K, history, time.perf_counter() - t0, schedule)
     nodes = sum(v for n, v in rss.items() if n.startswith(("node-", "worker-")))
     row.update(memory_gib_per_supernode=nodes / K, workers=workers or K,
                superlink_gib=rss.get("superlink", 0.0))
@@ -116,8 +118,8 @@ def _deploy(engine: str, K: int, rounds: int, workers: int | None, cache: str) -
 
 
 def run(engine: str, K: int, rounds: int, workers: int | None = None,
-        cache: str | None = None) -> dict:
-    config = {"num-clients": K, "num-rounds": rounds}
+        cache: str | None = None, schedule: str = "synchronous") -> dict:
+    config = {"num-clients": K, "num-rounds": rounds, "schedule": schedule}
     t0 = time.perf_counter()
     if engine == "embedded":
         t = task(config)
@@ -134,14 +136,15 @@ def run(engine: str, K: int, rounds: int, workers: int | None = None,
                               f"need about {need:.0f} GiB; this machine has {have:.0f} GiB "
                               "(give --workers)")
         assert cache is not None
-        return _deploy(engine, K, rounds, workers, cache)
-    return _row(engine, K, result.history, time.perf_counter() - t0)
+        return _deploy(engine, K, rounds, workers, cache, schedule)
+    return _row(engine, K, result.history, time.perf_counter() - t0, schedule)
 
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--clients", type=int, nargs="+", default=[10, 50])
     p.add_argument("--rounds", type=int, default=6)
+    p.add_argument("--schedule", default="synchronous", choices=("synchronous", "sequential"))
     p.add_argument("--workers", type=int, nargs="+", default=None,
                    help="warm ClientApp processes per K (default one per SuperNode)")
     p.add_argument("--repeats", type=int, default=1,
@@ -158,32 +161,36 @@ def main() -> None:
                 for _ in range(args.repeats):
                     if engine == "deployment":  # each repeat's first round from a cold cache
                         cache = tempfile.mkdtemp(prefix="fedppl-jax-cache-")
-                    runs.append(run(engine, K, args.rounds, workers, cache))
+                    runs.append(run(engine, K, args.rounds, workers, cache, args.schedule))
             except ImportError as err:
                 print(f"skipping {engine}: {err}")
                 continue
             except MemoryError as err:
                 print(f"skipping {engine} K={K}: {err}")
-                rows.append({"engine": engine, "clients": K, "skipped": str(err)})
+                rows.append({"engine": engine, "clients": K, "schedule": args.schedule,
+                     "skipped": str(err)})
                 continue
             r = {k: (float(np.median([x[k] for x in runs])) if isinstance(v, float) else v)
                  for k, v in runs[0].items()}
             r["repeats"] = args.repeats
             rows.append(r)
-            print(f"{engine:>11} K={K:<4} {r['seconds_per_round']:8.3f} s/round  "
+            print(f"{engine:>11} {args.schedule} K={K:<4} {r['seconds_per_round']:8.3f} s/round  "
                   f"(first {r['first_round_seconds']:.2f} s)  up {r['bytes_up_per_round']:.0f} B"
                   f"  down {r['bytes_down_per_round']:.0f} B  wall {r['wall_seconds']:.1f} s")
     # rows of engines and sizes not run this time are kept from the last file
-    done = {(r["engine"], r["clients"]) for r in rows}
+    def key(r):
+        return r["engine"], r["clients"], r.get("schedule", "sequential")
+
+    done = {key(r) for r in rows}
     if OUT.exists():
-        rows = [r for r in json.loads(OUT.read_text())["rows"]
-                if (r["engine"], r["clients"]) not in done] + rows
-    rows.sort(key=lambda r: (r["clients"], ENGINES.index(r["engine"])))
+        rows = [r for r in json.loads(OUT.read_text())["rows"] if key(r) not in done] + rows
+    rows.sort(key=lambda r: (r.get("schedule", "sequential") != "synchronous", r["clients"],
+                             ENGINES.index(r["engine"])))
     OUT.parent.mkdir(exist_ok=True)
     OUT.write_text(json.dumps({
-        "what": "seconds and bytes per synchronous PVI round (BLR, 5 features, 20 rows per "
-                "client): embedded vs Flower engines; median over rounds after the first, then "
-                "over repeats",
+        "what": "seconds and bytes per PVI round (BLR, 5 features, 20 rows per client; each "
+                "row's schedule): embedded vs Flower engines; median over rounds after the "
+                "first, then over repeats",
         "machine": f"{platform.node()} {platform.machine()} {os.cpu_count()} cores, "
                    f"{jax.default_backend()}",
         "flwr": __import__("flwr").__version__, "rows": rows}, indent=1))

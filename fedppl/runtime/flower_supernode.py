@@ -5,10 +5,11 @@ before asking again (a constant in ``flwr.supernode.start_client_internal``); it
 ClientApp's reply every 0.5 s. A round that sends each node one message therefore waits about
 3 s at every node, whatever the work. ``python -m fedppl.runtime.flower_supernode`` runs the
 same SuperNode (every ``flower-supernode`` option, unchanged) with its wait for a reply cut to
-``--poll`` seconds (default 0.05) and its idle wait starting at ``--poll`` after each message and
-growing by half each time to Flower's 3 s, for ``--busy`` seconds (default 30) after the node
-last handled a message; an idle node asks its SuperLink no more often than Flower's does, and a
-busy one a few times a second at most while it waits for the next round::
+``--poll`` seconds (default 0.05), its idle wait starting at ``--poll`` after each message and
+growing by a fifth each time to 0.5 s, for ``--busy`` seconds (default 30) after the node last
+handled a message, and Flower's 3 s after that; it also asks again after ``--poll`` seconds,
+not Flower's 1 s, for the parts of a message the SuperLink has not stored yet. An idle node asks
+its SuperLink no more often than Flower's does, a busy one at most 20 times a second::
 
     python -m fedppl.runtime.flower_supernode --poll 0.05 -- --isolation process \\
         --superlink SERVER:9092 --root-certificates ca.crt --port 9094 \\
@@ -22,6 +23,7 @@ slower a round.
 from __future__ import annotations
 
 import argparse
+import functools
 import os
 import sys
 import time
@@ -33,13 +35,13 @@ __all__ = ["BusyClock", "main"]
 
 class BusyClock:
     """The ``time`` module, with Flower's idle wait (3 s) shortened while the node is busy: the
-    first wait after the node handled a message is ``poll`` seconds, each further one 1.5 times
-    longer, up to Flower's own; after ``busy`` seconds without a message, Flower's own wait.
+    first wait after the node handled a message is ``poll`` seconds, each further one 1.2 times
+    longer, up to ``max_wait``; after ``busy`` seconds without a message, Flower's own wait.
     (Flower's SuperNode makes shorter waits only while it handles a message: those mark it
     busy, and are cut to ``poll``.)"""
 
-    def __init__(self, poll: float, busy: float, idle_wait: float = 3.0):
-        self.poll, self.busy, self.idle_wait = poll, busy, idle_wait
+    def __init__(self, poll: float, busy: float, idle_wait: float = 3.0, max_wait: float = 0.5):
+        self.poll, self.busy, self.idle_wait, self.max_wait = poll, busy, idle_wait, max_wait
         self.last, self.wait = -float("inf"), poll
 
     def sleep(self, seconds: float) -> None:
@@ -49,7 +51,7 @@ class BusyClock:
             time.sleep(min(seconds, self.poll))
         elif now - self.last < self.busy:
             time.sleep(min(seconds, self.wait))
-            self.wait = min(seconds, 1.5 * self.wait)
+            self.wait = min(self.max_wait, 1.2 * self.wait)
         else:
             time.sleep(seconds)
 
@@ -77,6 +79,10 @@ def main(argv: Sequence[str] | None = None) -> None:
         raise ImportError("fedppl.runtime.flower_supernode needs Flower: "
                           "pip install 'fedppl[flower]'") from err
     start_client_internal.time = BusyClock(args.poll, args.busy)  # type: ignore[assignment]
+    # a message's parts the SuperLink has not stored yet: asked again after --poll seconds,
+    # doubling to 0.5 s (Flower first waits 1 s, doubling to 10 s)
+    start_client_internal.pull_objects = functools.partial(
+        start_client_internal.pull_objects, initial_backoff=args.poll, backoff_cap=0.5)
     sys.argv = ["flower-supernode", *theirs]
     flower_supernode()
 

@@ -161,11 +161,13 @@ class Worker:
         heartbeat = HeartbeatSender(lambda: _beat(client))
         message = reply = context = None
         status, details = SubStatus.FAILED, "the ClientApp task failed"
-        start = time.perf_counter()
+        times = [time.perf_counter()]  # start, message pulled, app done, reply pushed
         try:
             heartbeat.start()
             message, context, run, fab = _pull_task_input(client)
+            times.append(time.perf_counter())
             reply = self._app(run, fab)(message=message, context=context)
+            times.append(time.perf_counter())
             status, details = SubStatus.COMPLETED, ""
         except Exception as ex:  # a failed task is answered; the worker goes on
             log.exception("the ClientApp raised")
@@ -185,8 +187,12 @@ class Worker:
                 heartbeat.stop()
             client.close()
             self.handled += 1
-            log.info("%s message: %s in %.3f s", getattr(getattr(message, "metadata", None),
-                     "message_type", "?"), status, time.perf_counter() - start)
+            times.append(time.perf_counter())
+            steps = ", ".join(f"{name} {b - a:.3f} s" for name, a, b in zip(
+                ("pull", "app", "push"), times, times[1:], strict=False))  # as far as it got
+            log.info("%s message: %s in %.3f s (%s)", getattr(getattr(
+                message, "metadata", None), "message_type", "?"), status, times[-1] - times[0],
+                steps)
 
 
 def _pull_task_input(client: RuntimeHttpClient) -> tuple[Any, Any, Any, Any]:
