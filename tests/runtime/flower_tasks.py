@@ -80,7 +80,8 @@ def _method(name: str):
 def task(run_config: dict[str, Any]) -> Task:
     """The Flower task named by ``run_config["method"]``; ``faults`` (``"1:2:crash 2:2:nan"``:
     partition, round, kind: a node's fault, or a corruption of its message from
-    :mod:`fedppl.runtime.faults`) injects faults; ``line-search`` (default on) is PVI's option."""
+    :mod:`fedppl.runtime.faults`) injects faults; ``line-search`` (default: PVI's own default,
+    the adaptive line search on a deployment; false: off) is PVI's option."""
     jax.config.update("jax_enable_x64", True)
     name = str(run_config["method"])
     clients, run_kwargs = _data(name)
@@ -99,14 +100,15 @@ def task(run_config: dict[str, Any]) -> Task:
 
 
 def embedded(name: str, rounds: int = ROUNDS, absent: dict | None = None,
-             line_search: bool = True) -> tuple[Any, list[np.ndarray]]:
+             line_search: bool | None = None) -> tuple[Any, list[np.ndarray]]:
     """The result, and the leaves of the last server state, of the embedded runtime on the same
-    task (its rounds recorded through ``run``'s ``runtime`` argument); ``absent[r]``: clients
+    task (its rounds recorded through ``run``'s ``runtime`` argument), with PVI's line search as
+    on a deployment unless given (its default there: the adaptive one); ``absent[r]``: clients
     that sit round ``r`` out."""
     clients, run_kwargs = _data(name)
     method, last = _method(name), {}
     if name.startswith("pvi"):
-        method.line_search = line_search
+        method.line_search = "adaptive" if line_search is None else line_search
     if absent:
         method = Absent(method, absent)
 

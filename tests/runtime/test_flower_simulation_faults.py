@@ -98,6 +98,7 @@ def test_faults_leave_the_server_as_a_clean_run_without_those_clients():
         absent.setdefault(r, []).append(int(who.split()[-1]))
     clients, _ = flower_tasks._data("pvi-synchronous")
     clean = flower_tasks.Absent(flower_tasks._method("pvi-synchronous"), absent)
+    clean.line_search = "adaptive"  # PVI's default on a deployment
     want = clean.run(jax.random.key(0), clients, 5, progress_bar=False)
     np.testing.assert_allclose(result.q.nat1, want.q.nat1, rtol=1e-9, atol=1e-10)
     np.testing.assert_allclose(result.q.prec, want.q.prec, rtol=1e-9, atol=1e-10)
