@@ -78,18 +78,22 @@ def _row(engine: str, K: int, history: dict, wall: float, schedule: str) -> dict
             "bytes_down_per_round": float(np.median(down)), "wall_seconds": wall}
 
 
-def _rss_gib(fed) -> dict[str, float]:
-    """Resident memory (GiB) of each of a local deployment's process groups, by name."""
+def _usage(fed) -> dict[str, tuple[float, float]]:
+    """Resident memory (GiB) and CPU seconds of each of a local deployment's process groups, by
+    name."""
     groups = {p.pid: name for name, p in fed.procs.items()}
-    out = dict.fromkeys(groups.values(), 0.0)
+    out = dict.fromkeys(groups.values(), (0.0, 0.0))
     for stat in Path("/proc").glob("[0-9]*/stat"):
         try:
             fields = stat.read_text().rsplit(")", 1)[1].split()
-            pgid, rss_pages = int(fields[2]), int(fields[21])
+            pgid, cpu, rss_pages = int(fields[2]), int(fields[11]) + int(fields[12]), \
+                int(fields[21])
         except (OSError, ValueError, IndexError):
             continue
         if pgid in groups:
-            out[groups[pgid]] += rss_pages * os.sysconf("SC_PAGE_SIZE") / 2**30
+            gib, seconds = out[groups[pgid]]
+            out[groups[pgid]] = (gib + rss_pages * os.sysconf("SC_PAGE_SIZE") / 2**30,
+                                 seconds + cpu / os.sysconf("SC_CLK_TCK"))
     return out
 
 
@@ -104,15 +108,25 @@ def _deploy(engine: str, K: int, rounds: int, workers: int | None, cache: str,
     with tempfile.TemporaryDirectory() as out, \
             LocalDeployment(K, jax_cache=cache, workers=workers, start_timeout=300,
                             **options.get(engine, {})) as fed:
+        before = _usage(fed)
         fed.run(app, run_config={"task": "benchmarks.flower_overhead:task",
                                  "num-clients": K, "num-rounds": rounds,
                                  "schedule": schedule, "result-dir": out}, timeout=3600)
-        rss = _rss_gib(fed)
+        after = _usage(fed)
         with open(os.path.join(out, "result.json")) as f:
             history = json.load(f)["history"]
     row = _row(engine, K, history, time.perf_counter() - t0, schedule)
+    rss = {n: gib for n, (gib, _) in after.items()}
     nodes = sum(v for n, v in rss.items() if n.startswith(("node-", "worker-")))
-    row.update(memory_gib_per_supernode=nodes / K, workers=workers or K,
+
+    def cpu(prefix: str) -> float:  # CPU seconds a round (the run's, set-up included)
+        return sum(after[n][1] - before.get(n, (0.0, 0.0))[1] for n in after
+                   if n.startswith(prefix)) / rounds
+
+    row.update(cpu_seconds_per_round={"superlink": cpu("superlink"), "supernodes": cpu("node-"),
+                                      "workers": cpu("worker-")},
+               memory_gib_per_supernode=nodes / K,
+               workers=0 if engine == "deployment-subprocess" else workers or K,
                superlink_gib=rss.get("superlink", 0.0))
     return row
 
