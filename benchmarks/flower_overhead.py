@@ -101,7 +101,8 @@ def _deploy(engine: str, K: int, rounds: int, workers: int | None, cache: str,
             schedule: str) -> dict:
     from fedppl.runtime.deployment import LocalDeployment
 
-    options = {"deployment-flower-poll": {"node_poll": None},
+    options = {"deployment": {"node_poll": 0.05}, "deployment-warm-cache": {"node_poll": 0.05},
+               "deployment-flower-poll": {"node_poll": None},
                "deployment-subprocess": {"isolation": "subprocess", "node_poll": None}}
     app = Path(__file__).resolve().parents[1] / "examples" / "flower"
     t0 = time.perf_counter()

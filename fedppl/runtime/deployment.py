@@ -46,7 +46,11 @@ except ImportError as err:  # pragma: no cover - the extra is installed by make 
     raise ImportError("fedppl.runtime.deployment needs Flower: pip install 'fedppl[flower]'"
                       ) from err
 
-__all__ = ["LocalDeployment", "DeploymentError", "free_port", "write_app"]
+__all__ = ["LocalDeployment", "DeploymentError", "free_port", "write_app", "FAST_POLL_NODES"]
+
+#: Up to this many nodes a local deployment's SuperNodes poll often while busy (K = 10 on 2 cores:
+#: 3.7 s a round against 4.8 s with Flower's own poll; K = 50: 37 s against 19 s).
+FAST_POLL_NODES = 10
 
 
 class DeploymentError(RuntimeError):
@@ -95,7 +99,9 @@ class LocalDeployment:
     SuperNode) or ``"subprocess"`` (Flower's fresh process per message); ``jax_cache``: the
     JAX compilation cache's folder (kept after the block; default a temporary one);
     ``node_poll``: the SuperNodes' wait between checks for messages while a run is busy
-    (:mod:`fedppl.runtime.flower_supernode`; None: Flower's own ``flower-supernode``);
+    (:mod:`fedppl.runtime.flower_supernode`; None: Flower's own ``flower-supernode``; ``"auto"``:
+    0.05 s up to :data:`FAST_POLL_NODES` nodes, Flower's own beyond, where the polls of many
+    nodes cost the SuperLink more than they save: ``benchmarks/flower_overhead.py``);
     ``workers``: how many warm ClientApp processes serve the nodes (default one per node, as
     at separate sites; fewer share them, node ``k`` served by worker ``k % workers``, to fit
     many nodes in one machine's memory)."""
@@ -103,12 +109,16 @@ class LocalDeployment:
     def __init__(self, num_nodes: int, *, node_config: Callable[[int], Mapping] | None = None,
                  start_timeout: float = 60.0, env: Mapping[str, str] | None = None,
                  port: int | None = None, isolation: str = "process",
-                 jax_cache: str | os.PathLike | None = None, node_poll: float | None = 0.05,
-                 workers: int | None = None):
+                 jax_cache: str | os.PathLike | None = None,
+                 node_poll: float | str | None = "auto", workers: int | None = None):
         if num_nodes < 1:
             raise ValueError(f"num_nodes must be at least 1, got {num_nodes}")
         if isolation not in ("process", "subprocess"):
             raise ValueError(f"isolation must be 'process' or 'subprocess', got {isolation!r}")
+        if node_poll == "auto":  # short polls help a few nodes and load the SuperLink of many
+            node_poll = 0.05 if num_nodes <= FAST_POLL_NODES else None
+        if node_poll is not None and not isinstance(node_poll, (int, float)):
+            raise ValueError(f"node_poll must be seconds, None or 'auto', got {node_poll!r}")
         self.isolation, self.jax_cache, self.node_poll = isolation, jax_cache, node_poll
         self.workers = num_nodes if workers is None else max(1, min(int(workers), num_nodes))
         self.num_nodes, self.start_timeout = num_nodes, start_timeout
