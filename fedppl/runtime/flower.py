@@ -55,12 +55,8 @@ Example (Bayesian linear regression on 3 simulated nodes; ``tests/runtime`` runs
 
 from __future__ import annotations
 
-import contextlib
-import functools
 import importlib
-import logging
 import os
-import sys
 import time
 import uuid
 from collections.abc import Callable, Mapping
@@ -82,7 +78,15 @@ except ImportError as err:  # pragma: no cover - the extra is installed by make 
 
 from fedppl.runtime.embedded import ClientMap, host_map, make_round
 from fedppl.runtime.flower_node import Node, secure_form, secure_request
-from fedppl.runtime.flower_wire import is_key, pack, record_bytes, unpack
+from fedppl.runtime.flower_wire import (
+    flower_log,
+    is_key,
+    pack,
+    quick_object_pulls,
+    record_bytes,
+    send_and_receive,
+    unpack,
+)
 from fedppl.runtime.secagg import (
     as_tree,
     request,
@@ -164,7 +168,7 @@ class FlowerApp:
         @app.main()
         def main(grid: Grid, context: Context) -> None:
             run_config = dict(context.run_config)
-            _quick_object_pulls(grid)
+            quick_object_pulls(grid)
             server = _Server(grid, self.task(run_config))
             self.result = server.run()
             self.server_state = server.server_state
@@ -223,7 +227,10 @@ class FlowerApp:
             self.result = server.run()
             self.server_state = server.server_state
 
-        with _quiet_deprecation("run_simulation"):
+        # Flower 1.42 deprecates the Python run_simulation in favour of flwr run; it is kept
+        # because it runs the ServerApp in this process, so that the result can be returned
+        with flower_log(lambda r: not ("DEPRECATED FEATURE" in r.getMessage()
+                                       and "run_simulation" in r.getMessage())):
             run_simulation(server_app, self.client_app(), num_supernodes=n,
                            backend_config={"client_resources": {"num_cpus": 1, "num_gpus": 0.0},
                                            "init_args": {"num_cpus": int(num_workers),
@@ -238,26 +245,6 @@ class FlowerApp:
 
 
 # -- the server ------------------------------------------------------------------------------------
-
-
-@contextlib.contextmanager
-def _quiet_deprecation(feature: str):
-    """Drop Flower's log line that deprecates ``feature`` while the block runs.
-
-    Flower 1.42 deprecates the Python ``run_simulation`` in favour of ``flwr run``; fedppl keeps
-    it because it runs the ServerApp in the caller's process, so :meth:`FlowerApp.simulate` can
-    return the method's result object (``flwr run`` runs it in a process of its own)."""
-
-    def keep(record: logging.LogRecord) -> bool:
-        text = record.getMessage()
-        return not ("DEPRECATED FEATURE" in text and feature in text)
-
-    logger = logging.getLogger("flwr")
-    logger.addFilter(keep)
-    try:
-        yield
-    finally:
-        logger.removeFilter(keep)
 
 
 class _Server:
@@ -284,7 +271,7 @@ class _Server:
             self.traffic[[1, 3]] += (1, record_bytes(content))
         by_node = {v: k for k, v in self.node_of.items()}
         answers: dict[int, RecordDict | str] = {}
-        for m in _send_and_receive(self.grid, out, timeout):
+        for m in send_and_receive(self.grid, out, timeout):
             who = by_node.get(m.metadata.src_node_id)
             if who is None or who not in contents:
                 continue
@@ -478,7 +465,7 @@ class _Server:
     def _secure_sum(self, contents: dict[int, RecordDict], like: Any) -> dict[int, np.ndarray]:
         """One SecAgg+ exchange with the clients ``contents`` names: the flat sum, keyed by each
         client it covers (a node that drops out is recorded in ``faults``)."""
-        summed = secure_exchange(lambda msgs, timeout: _send_and_receive(self.grid, msgs, timeout),
+        summed = secure_exchange(lambda msgs, timeout: send_and_receive(self.grid, msgs, timeout),
                                  {self.node_of[k]: c for k, c in contents.items()},
                                  self.task.secure, size_of(like), group=self.round,
                                  timeout=self.task.round_timeout)
@@ -583,37 +570,6 @@ class _Server:
                 if isinstance(a, str):
                     self.faults.append((self.round, self.names[k],
                                         f"final acknowledgement not delivered: {a}"))
-
-
-def _quick_object_pulls(grid: Grid) -> None:
-    """On the Deployment Engine, the ServerApp asks again after 0.01 s (doubling to 0.2 s), not
-    Flower's 1 s (doubling to 10 s), for the parts of a node's reply that the SuperLink has not
-    stored yet: a reply's message arrives before its arrays, and each round waits for the last.
-    (Flower 1.42's HTTP grid takes the waits from its module's ``pull_objects``.)"""
-    module = sys.modules.get(type(grid).__module__)
-    pull = getattr(module, "pull_objects", None)
-    if pull is not None and not isinstance(pull, functools.partial):
-        module.pull_objects = functools.partial(  # type: ignore[union-attr]
-            pull, initial_backoff=0.01, backoff_cap=0.2)
-
-
-def _send_and_receive(grid: Grid, messages: list[Message], timeout: float | None,
-                      poll: float = 0.01, max_poll: float = 0.1) -> list[Message]:
-    """``grid.send_and_receive``, its replies pulled every ``poll`` seconds (growing to
-    ``max_poll`` while none come) instead of Flower's every 3 s, the whole of a round's time on
-    the Deployment Engine once the nodes' processes are warm."""
-    waiting = set(grid.push_messages(messages))
-    end = None if timeout is None else time.monotonic() + timeout
-    replies: list[Message] = []
-    wait = poll
-    while waiting and (end is None or time.monotonic() < end):
-        got = list(grid.pull_messages(waiting))
-        replies += got
-        waiting -= {m.metadata.reply_to_message_id for m in got}
-        wait = poll if got else min(max_poll, 1.5 * wait)
-        if waiting:
-            time.sleep(wait if end is None else max(0.0, min(wait, end - time.monotonic())))
-    return replies
 
 
 def _one_shape(tree: Any) -> Any:

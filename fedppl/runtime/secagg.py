@@ -34,7 +34,6 @@ Simulation Engine's workers, as any ClientApp's code)::
 
 from __future__ import annotations
 
-import contextlib
 import logging
 import os
 import time
@@ -70,6 +69,8 @@ try:
     from flwr.serverapp import Grid, ServerApp
 except ImportError as err:  # pragma: no cover - depends on the environment
     raise ImportError("fedppl.runtime.secagg needs Flower: pip install 'fedppl[flower]'") from err
+
+from fedppl.runtime.flower_wire import flower_log
 
 __all__ = ["SecureSum", "Summed", "SumTask", "secure_sum", "secure_sum_apps", "secure_exchange",
            "secure_mod", "summand_content", "request", "requested", "error_bound", "size_of",
@@ -235,7 +236,7 @@ def secure_exchange(send: Send, contents: Mapping[int, RecordDict], secure: Secu
     workflow = _Workflow(contents, num_shares=1.0, reconstruction_threshold=float(secure.threshold),
                          max_weight=1.0, clipping_range=1.0, quantization_range=QUANTIZATION,
                          timeout=timeout)
-    with _quiet():
+    with flower_log(lambda record: record.levelno >= logging.WARNING):  # not every stage
         workflow(watched, context)  # type: ignore[arg-type]
     errors = watched.errors
     if strategy.mean is None:
@@ -249,22 +250,6 @@ def secure_exchange(send: Send, contents: Mapping[int, RecordDict], secure: Secu
         errors.setdefault(nid, "left out of the secure sum")
     return Summed(secure.scale * (high + low / QUANTIZATION), frozenset(strategy.nodes), errors,
                   watched.traffic)
-
-
-@contextlib.contextmanager
-def _quiet():
-    """Flower's log without its information lines while the block runs (the SecAgg+ workflow
-    reports every stage of every round; its warnings and errors still show)."""
-
-    def keep(record: logging.LogRecord) -> bool:
-        return record.levelno >= logging.WARNING
-
-    logger = logging.getLogger("flwr")
-    logger.addFilter(keep)
-    try:
-        yield
-    finally:
-        logger.removeFilter(keep)
 
 
 class _Workflow(SecAggPlusWorkflow):
