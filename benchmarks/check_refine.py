@@ -201,6 +201,7 @@ def check_and_refine(res, clients, key, args, ref_mean, ref_sd, ref_ess) -> dict
         warnings.simplefilter("always", UserWarning)
         t0 = time.perf_counter()
         ref = res.refine(key, clients, num_rounds=args.refine_rounds, num_draws=args.num_draws,
+                         method="importance",
                          progress_bar=False, khat_target=args.khat_target,
                          ess_target=args.ess_target, **settings)
         wall = time.perf_counter() - t0

@@ -101,6 +101,7 @@ def _refine(result, clients, model_kwargs: dict, num_rounds: int, num_draws: int
     t0 = time.perf_counter()
     try:
         imp = result.refine(jax.random.key(2), clients, num_rounds=num_rounds,
+                            method="importance",
                             num_draws=num_draws, progress_bar=False, warn=False, **model_kwargs)
     except Exception as exc:
         return {"refine_error": f"{type(exc).__name__}: {exc}".strip()[:500]}

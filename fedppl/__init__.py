@@ -24,6 +24,7 @@ from fedppl.guides import PVIGuide
 from fedppl.infer import (
     FSGP,
     PVI,
+    SMC,
     CoTraining,
     CoTrainingResult,
     FedBNR,
@@ -39,6 +40,7 @@ from fedppl.infer import (
     PVIResult,
     SGPConfig,
     SGPResult,
+    SMCResult,
 )
 from fedppl.infer.ep import EP, EPResult
 from fedppl.infer.one_shot import OneShot, OneShotResult
@@ -46,7 +48,7 @@ from fedppl.infer.one_shot import OneShot, OneShotResult
 __version__ = "0.1.0"
 
 __all__ = ["PVI", "GlobalVI", "PVIResult", "EP", "EPResult", "OneShot", "OneShotResult",
-           "Importance", "ImportanceResult", "PVIGuide", "FederatedSGP",
+           "Importance", "ImportanceResult", "SMC", "SMCResult", "PVIGuide", "FederatedSGP",
            "SGPConfig", "SGPResult", "FSGP", "FSGPConfig", "FSGPResult", "FedBNR", "FedBNRResult",
            "PFedMul", "PFedMulResult", "CoTraining", "CoTrainingResult", "DPOptimisation",
            "DPLocalAveraging", "DPVirtualParties", "PrivateStatistics", "Clients", "partition",

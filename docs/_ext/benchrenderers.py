@@ -257,6 +257,52 @@ def render_check_refine_rounds(datas, options):
     )
 
 
+def render_smc(datas, options):
+    """The SMC sampler against pooled NUTS: one row per file, seed and start (the answer the
+    sampler's own stopping rule gave, and the last round's when it ran past it)."""
+    header = ["result file", "seed", "start", "start errors (mean sd / sd)", "rounds",
+              "reached, renewed", "worst mean error (sd)", "its Monte Carlo error (sd)",
+              "worst sd error", "last round's errors", "s / round"]
+    rows = []
+    for name, data in datas:
+        for run in data["seeds"]:
+            for start, out in run["starts"].items():
+                f, s, last = out["final"], out["start"], out["rounds"][-1]
+                rows.append([
+                    name, fmt(run["seed"]), start,
+                    f"{fmt(s['mean_err'], '.2f')} / {fmt(s['sd_err'], '.2f')}",
+                    fmt(f["rounds"]) + ("" if f["stopped_by_rule"] else " (no stop)"),
+                    f"{fmt(f['reached'])}, {fmt(f['renewed'], '.2f')}",
+                    fmt(f["mean_err"], ".3f"), fmt(f["stated_mean_mcse"], ".3f"),
+                    fmt(f["sd_err"], ".3f"),
+                    f"round {last['round']}: {fmt(last['mean_err'], '.3f')} / "
+                    f"{fmt(last['sd_err'], '.3f')}",
+                    fmt(f["seconds_per_round"], ".1f")])
+    return [Table(options.get("caption"), header, rows)]
+
+
+def render_smc_breadth(datas, options):
+    """The SMC sampler beside PVI on each task of ``smc_breadth.py``, against pooled NUTS."""
+    header = ["task", "PVI (mean sd / sd)", "sampler (mean sd / sd)",
+              "its Monte Carlo error (sd)", "worst error / Monte Carlo error",
+              "reference's MC error (sd)", "rounds", "reached, renewed", "s / round",
+              "importance refinement (mean sd / sd)"]
+    rows = []
+    for _name, data in datas:
+        for r in data["rows"]:
+            p, s = r["pvi"], r["smc"]
+            imp = s.get("importance")
+            rows.append([
+                r["task"], f"{fmt(p['mean_err'], '.3f')} / {fmt(p['sd_err'], '.3f')}",
+                f"{fmt(s['mean_err'], '.3f')} / {fmt(s['sd_err'], '.3f')}",
+                fmt(s["stated_mean_mcse"], ".3f"), fmt(s["worst_z"], ".1f"),
+                fmt(s["reference_mc"], ".3f"), fmt(s["rounds"]),
+                f"{fmt(s['reached'])}, {fmt(s['renewed'], '.2f')}",
+                fmt(s["seconds_per_round"], ".1f"),
+                f"{fmt(imp['mean_err'], '.3f')} / {fmt(imp['sd_err'], '.3f')}" if imp
+                else "- (not chosen)"])
+    return [Table(options.get("caption"), header, rows)]
+
 def _pair(d: Any) -> str:
     d = _decode(d)
     if not d:
@@ -481,6 +527,8 @@ RENDERERS: dict[str, Callable[[list[tuple[str, Any]], dict], list[Table]]] = {
     "ep_rounds": render_ep_rounds,
     "check_refine": render_check_refine,
     "check_refine_rounds": render_check_refine_rounds,
+    "smc": render_smc,
+    "smc_breadth": render_smc_breadth,
     "model_gallery": render_model_gallery,
     "gallery_refine": render_gallery_refine,
     "pvi_accuracy": render_pvi_accuracy,

@@ -54,8 +54,9 @@ from fedppl.families import gaussian as g
 from fedppl.guides.pvi_guide import PVIGuide
 
 __all__ = ["Proposal", "Broadcast", "Estimates", "log_prob", "sample", "mixture_log_prob",
-           "from_gaussian", "laplace_log_marginal", "client_log_lik", "make_trio", "psis", "ess",
-           "weighted_moments", "tempered_fit", "leave_one_out", "resample"]
+           "from_gaussian", "laplace_fit", "laplace_estimate", "laplace_log_marginal",
+           "client_log_lik", "make_trio", "psis", "ess", "weighted_moments", "tempered_fit",
+           "leave_one_out", "resample"]
 
 MIN_DRAWS = 100  # fewer draws leave too few in the tail for the Pareto fit (k-hat)
 
@@ -116,24 +117,13 @@ def mixture_log_prob(proposals: list[Proposal], counts: list[int], x: Array) -> 
 
 # -- the client's side ---------------------------------------------------------------------------
 
-def laplace_log_marginal(f: Callable[[Array], Array], z0: Array, key: Array, num_draws: int,
-                         newton_steps: int) -> tuple[Array, Array]:
-    """``log int exp(f(z)) dz`` by importance sampling from a Laplace approximation of ``f``.
-
-    ``newton_steps`` Newton steps from ``z0`` (each the largest of ``1, 1/2, ..., 2^-10`` that
-    raises ``f``; the Hessian's eigenvalues floored so the step ascends), then ``num_draws``
-    draws from ``N(z_hat, (-H)^-1)`` in antithetic pairs. Exact (up to rounding) when ``f`` is
-    quadratic. Otherwise the estimate of the integral is unbiased and its log is biased down by
-    about half its variance (Jensen), small wherever the Laplace approximation is good (a random
-    effect given its group's data and the global parameters is close to Gaussian), large where
-    the local posterior is far from Gaussian in many dimensions (tens of coefficients per client
-    at a large group scale: the weights are heavy-tailed, and the variance estimate itself then
-    understates the error).
-
-    Returns the estimate and the estimated variance of it, ``sum_i w_i^2 - 1 / num_draws`` for
-    the normalised weights (the delta method's ``var(w) / (M mean(w)^2)``).
-    """
-    d = z0.shape[-1]
+def laplace_fit(f: Callable[[Array], Array], z0: Array, newton_steps: int
+                ) -> tuple[Array, Array]:
+    """A Laplace approximation of ``exp(f)``: ``newton_steps`` Newton steps from ``z0`` (each the
+    largest of ``1, 1/2, ..., 2^-10`` that raises ``f``; the Hessian's eigenvalues floored so
+    that the step ascends), then the mode reached and the lower Cholesky factor of the
+    (floored) negative Hessian there: ``N(mode, (chol chol')^-1)``. A deterministic function of
+    ``z0`` and ``f``."""
 
     def precision(z):
         P = -jax.hessian(f)(z)
@@ -150,10 +140,20 @@ def laplace_log_marginal(f: Callable[[Array], Array], z0: Array, key: Array, num
         return jnp.where(jnp.any(ok), cands[jnp.argmax(ok)], z)
 
     z = jax.lax.fori_loop(0, newton_steps, newton, z0)
-    chol = jnp.linalg.cholesky(precision(z))
-    half = jax.random.normal(key, (num_draws // 2, d), z.dtype)
+    return z, jnp.linalg.cholesky(precision(z))
+
+
+def laplace_estimate(f: Callable[[Array], Array], mode: Array, chol: Array, key: Array,
+                     num_draws: int) -> tuple[Array, Array]:
+    """``log int exp(f(z)) dz`` by importance sampling from ``N(mode, (chol chol')^-1)`` (a
+    :func:`laplace_fit`): ``num_draws`` draws in antithetic pairs from the normal draws that
+    ``key`` gives. The estimate of the integral (not of its log) is unbiased whatever the
+    approximation; returns its log and the estimated variance of it, ``sum_i w_i^2 - 1 / num_draws``
+    for the normalised weights (the delta method's ``var(w) / (M mean(w)^2)``)."""
+    d = mode.shape[-1]
+    half = jax.random.normal(key, (num_draws // 2, d), mode.dtype)
     eps = jnp.concatenate([half, -half])
-    zs = z + jax.scipy.linalg.solve_triangular(chol.T, eps.T, lower=False).T
+    zs = mode + jax.scipy.linalg.solve_triangular(chol.T, eps.T, lower=False).T
     log_q = (-0.5 * jnp.sum(eps**2, -1) - 0.5 * d * jnp.log(2 * jnp.pi)
              + jnp.sum(jnp.log(jnp.diagonal(chol))))
     lw = jax.vmap(f)(zs) - log_q
@@ -161,6 +161,20 @@ def laplace_log_marginal(f: Callable[[Array], Array], z0: Array, key: Array, num
     total = logsumexp(lw)
     variance = jnp.sum(jnp.exp(2 * (lw - total))) - 1.0 / num_draws
     return total - jnp.log(num_draws), jnp.maximum(variance, 0.0)
+
+
+def laplace_log_marginal(f: Callable[[Array], Array], z0: Array, key: Array, num_draws: int,
+                         newton_steps: int) -> tuple[Array, Array]:
+    """``log int exp(f(z)) dz`` by importance sampling from a Laplace approximation of ``f``
+    (:func:`laplace_fit` from ``z0``, then :func:`laplace_estimate`). Exact (up to rounding) when
+    ``f`` is quadratic. Otherwise the estimate of the integral is unbiased and its log is biased
+    down by about half its variance (Jensen), small wherever the Laplace approximation is good (a
+    random effect given its group's data and the global parameters is close to Gaussian), large
+    where the local posterior is far from Gaussian in many dimensions (tens of coefficients per
+    client at a large group scale: the weights are heavy-tailed, and the variance estimate itself
+    then understates the error)."""
+    mode, chol = laplace_fit(f, z0, newton_steps)
+    return laplace_estimate(f, mode, chol, key, num_draws)
 
 
 class Estimates(NamedTuple):

@@ -20,7 +20,11 @@ Optional parts:
   score candidate states on every client's data (a line search: one more exchange of scalars);
   the runtime passes ``server_update`` a function ``evaluate(candidate) -> (K,)``, or ``None``;
 * ``begin_round(server, rng_key) -> server``: the server's own work before the clients'
-  (a factor it holds itself).
+  (a factor it holds itself);
+* ``broadcast(server) -> what the clients are sent``: the part of the server's state that leaves
+  the server (default: all of it). ``client_update`` receives it in place of ``server``; the
+  rest (a sampler's running sums, its tuning) never leaves the server, and a round's
+  ``bytes_down`` counts only what is sent.
 
 Example (one synchronous round, as :func:`fedppl.runtime.make_round` runs it)::
 
@@ -39,7 +43,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any, NamedTuple
 
-__all__ = ["Trio", "keep_proposed"]
+__all__ = ["Trio", "keep_proposed", "sent"]
 
 
 def keep_proposed(client: Any, message: Any, reply: Any, proposed: Any) -> Any:
@@ -59,3 +63,10 @@ class Trio(NamedTuple):
     client_evaluate: Callable | None = None
     begin_round: Callable | None = None
     jit: bool = True
+    broadcast: Callable | None = None
+
+
+def sent(trio: Trio, server: Any) -> Any:
+    """What ``trio``'s server sends its clients from state ``server`` (``trio.broadcast``'s
+    part, or the whole state)."""
+    return server if trio.broadcast is None else trio.broadcast(server)

@@ -10,6 +10,7 @@ from fedppl.infer.fedavg_gp import FSGP, FSGPConfig, FSGPResult
 from fedppl.infer.importance import Importance, ImportanceResult
 from fedppl.infer.multitask_gp import PFedMul, PFedMulResult
 from fedppl.infer.one_shot import OneShot, OneShotResult
+from fedppl.infer.smc import SMC, SMCResult
 from fedppl.infer.sparse_gps import FederatedSGP, SGPConfig, SGPResult
 from fedppl.infer.variational import PVI, GlobalVI, PVIResult
 
@@ -17,4 +18,4 @@ __all__ = ["FederatedMethod", "Result", "RunState", "PVI", "GlobalVI", "PVIResul
            "FederatedSGP", "SGPConfig", "SGPResult", "FSGP", "FSGPConfig", "FSGPResult",
            "FedBNR", "FedBNRResult", "PFedMul", "PFedMulResult", "CoTraining",
            "CoTrainingResult", "EP", "EPResult", "OneShot", "OneShotResult", "Importance",
-           "ImportanceResult"]
+           "ImportanceResult", "SMC", "SMCResult"]

@@ -60,7 +60,7 @@ import numpy as np
 from jax import Array
 
 from fedppl import validation
-from fedppl.algorithms.trio import Trio
+from fedppl.algorithms.trio import Trio, sent
 from fedppl.clients import Clients
 from fedppl.infer.round_log import Progress
 from fedppl.runtime.embedded import make_round
@@ -359,7 +359,8 @@ class FederatedMethod:
         return num_bytes(jax.tree_util.tree_map(lambda x: x[0], messages))
 
     def _broadcast_bytes(self, server: Any) -> int:
-        """Bytes of what the server sends each client taking part."""
+        """Bytes of what the server sends each client taking part (``server``: the trio's
+        broadcast of its state, :func:`fedppl.algorithms.trio.sent`)."""
         return num_bytes(server)
 
     def _round_inputs(self, state: RunState) -> tuple[Array, Array, Array, Array, Array]:
@@ -439,7 +440,7 @@ class FederatedMethod:
         n = int(active.sum())
         info = {"round": new.round, "seconds": seconds, "messages_up": n, "messages_down": n,
                 "bytes_up": n * self._message_bytes(msgs),
-                "bytes_down": n * self._broadcast_bytes(state.server),
+                "bytes_down": n * self._broadcast_bytes(sent(plan.trio, state.server)),
                 "rejected": int(refused.sum())}
         method_log, row = plan.record(state, new, msgs, replies, active, spare)
         info.update(row)

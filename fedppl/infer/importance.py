@@ -53,7 +53,8 @@ from fedppl.infer.round_log import Progress
 from fedppl.model_call import positional
 from fedppl.runtime.embedded import make_round
 
-__all__ = ["Importance", "ImportanceResult", "ImportanceState", "khat_threshold"]
+__all__ = ["Importance", "ImportanceResult", "ImportanceState", "khat_threshold",
+           "refuse_subsampling", "set_up_on"]
 
 
 def khat_threshold(num_draws: int) -> float:
@@ -110,6 +111,7 @@ class ImportanceResult(Result):
     local_sd: float
     start_moments: tuple[np.ndarray, np.ndarray]
     proposals: tuple[imp.Proposal, ...] = field(default=())
+    chosen: str = ""  # why refine chose the importance refinement (empty when run directly)
 
     @property
     def threshold(self) -> float:
@@ -273,26 +275,10 @@ class Importance:
                                compiled)
 
     def _check(self, clients: Clients, model_kwargs: dict):
-        from fedppl.infer.pvi_plan import check_clients
-
         if not isinstance(clients, Clients):
             raise TypeError(f"clients must be a fedppl.Clients (see fedppl.partition), got "
                             f"{type(clients).__name__}")
-        guide = self.guide
-        if guide.signature is not None:
-            want = [shape[1:] for shape in guide.signature[0]]
-            got = [np.shape(a)[1:] for a in clients.client(0)]
-            if want != got:
-                raise ValueError(f"the clients' arrays have trailing shapes {got}, the answer "
-                                 f"was fitted on {want}: these are not the run's clients")
-        guide.setup(*clients.client(0), **model_kwargs)
-        check_clients(guide, clients, model_kwargs)
-        _refuse_subsampling(self.model, clients.client(0), model_kwargs)
-        layout = guide.layout_or_raise()
-        if layout.dim != self.start.nat1.shape[-1]:
-            raise ValueError(f"with these clients the model has {layout.dim} global "
-                             f"coordinates, the answer {self.start.nat1.shape[-1]}")
-        return layout
+        return set_up_on(self.guide, self.start, self.model, clients, model_kwargs, "the check")
 
     def update(self, state: ImportanceState) -> tuple[ImportanceState, dict[str, Any]]:
         """One exchange: draws from ``state.next`` down, log-likelihoods up; then the weights
@@ -340,10 +326,11 @@ class Importance:
 
     def run(self, rng_key: Array, clients: Clients, num_rounds: int = 1, *,
             progress_bar: bool = True, local: Any = None, warn: bool = True,
-            **model_kwargs: Any) -> ImportanceResult:
+            give_up: float | None = None, **model_kwargs: Any) -> ImportanceResult:
         """Up to ``num_rounds`` exchanges, stopping once k-hat is below ``khat_target`` and the
         ESS above ``ess_target``; warns when the final k-hat is above the reliability
-        threshold."""
+        threshold. ``give_up``: stop after the first round (the check) if its k-hat is above
+        this (``refine`` then turns to the sampler), without the warning."""
         num_rounds = check_rounds(num_rounds)
         state = self.init(rng_key, clients, local, **model_kwargs)
         rows = []
@@ -357,6 +344,9 @@ class Importance:
                 if info["khat"] < self.khat_target and info["ess"] >= self.ess_target:
                     why = (f"k-hat {info['khat']:.2f} < khat_target {self.khat_target:g} and "
                            f"ESS {info['ess']:.0f} >= ess_target {self.ess_target:g}")
+                    break
+                if give_up is not None and info["khat"] > give_up:
+                    why, warn = f"k-hat {info['khat']:.2f} > {give_up:.2f}", False
                     break
         finally:
             early = why if len(rows) < num_rounds else None
@@ -401,9 +391,34 @@ def _log_ratios(proposals, counts, draws, log_prior, log_lik) -> np.ndarray:
     return log_prior + log_lik.sum(0) - log_g
 
 
-def _refuse_subsampling(model: Callable, data: tuple, model_kwargs: dict) -> None:
+def set_up_on(guide: PVIGuide, start: g.Gaussian, model: Callable, clients: Clients,
+              model_kwargs: dict, who: str):
+    """``guide`` set up on ``clients`` and checked against the answer ``start`` it fitted,
+    before any client computes (the clients' shapes, their data, no subsampling plate, the
+    global dimension): the guide's layout."""
+    from fedppl.infer.pvi_plan import check_clients
+
+    if guide.signature is not None:
+        want = [shape[1:] for shape in guide.signature[0]]
+        got = [np.shape(a)[1:] for a in clients.client(0)]
+        if want != got:
+            raise ValueError(f"the clients' arrays have trailing shapes {got}, the answer was "
+                             f"fitted on {want}: these are not the run's clients")
+    guide.setup(*clients.client(0), **model_kwargs)
+    check_clients(guide, clients, model_kwargs)
+    refuse_subsampling(model, clients.client(0), model_kwargs, who)
+    layout = guide.layout_or_raise()
+    if layout.dim != start.nat1.shape[-1]:
+        raise ValueError(f"with these clients the model has {layout.dim} global coordinates, "
+                         f"the answer {start.nat1.shape[-1]}")
+    return layout
+
+
+def refuse_subsampling(model: Callable, data: tuple, model_kwargs: dict,
+                       who: str = "the check") -> None:
     """A data plate that subsamples gives each client's log-likelihood at a draw only as a
-    minibatch estimate: the weights would target another posterior, so the check refuses."""
+    minibatch estimate: the weights (or a sampler's acceptance) would target another posterior,
+    so ``who`` refuses."""
     from numpyro import handlers
 
     tr = handlers.trace(handlers.seed(model, 0)).get_trace(*data, **model_kwargs)
@@ -411,8 +426,8 @@ def _refuse_subsampling(model: Callable, data: tuple, model_kwargs: dict) -> Non
         if site["type"] == "plate" and site["args"][1] is not None \
                 and site["args"][1] < site["args"][0]:
             raise ValueError(f"the model subsamples plate '{name}' ({site['args'][1]} of "
-                             f"{site['args'][0]} rows): the check needs each client's exact "
-                             "log-likelihood at every draw. Run the check with the same model "
+                             f"{site['args'][0]} rows): {who} needs each client's exact "
+                             f"log-likelihood at every draw. Run {who} with the same model "
                              "without subsample_size")
 
 

@@ -20,6 +20,16 @@ from fedppl.infer.base import Result
 __all__ = ["PVIResult"]
 
 
+def _say(enabled: bool, line: str) -> None:
+    """One line on stderr that stays (as a run's "stopped" line), when ``enabled``."""
+    import sys
+
+    from tqdm import tqdm
+
+    if enabled:
+        tqdm.write(line, file=sys.stderr)
+
+
 @dataclass(kw_only=True)
 class PVIResult(Result):
     """The outcome of a run: the posterior ``q``, the client factors and per-round history.
@@ -107,30 +117,102 @@ class PVIResult(Result):
         says the answer is unreliable. Needs ``fedppl[arviz]`` (arviz-stats' PSIS)."""
         return self._importance(rng_key, clients, 1, num_draws, progress_bar, kwargs)
 
-    def refine(self, rng_key: Array, clients: Clients, num_rounds: int = 10,
-               num_draws: int = 1000, *, progress_bar: bool = True, **kwargs: Any):
-        """The check's exchange repeated (round 1 is the check), each round proposing from a t
-        fitted to the weighted draws so far, until k-hat is below ``khat_target`` (0.5) and the
-        ESS above ``ess_target`` (2000), or ``num_rounds``: an
-        :class:`~fedppl.infer.importance.ImportanceResult` whose moments and draws converge to
-        the pooled posterior's as the draws grow."""
-        return self._importance(rng_key, clients, num_rounds, num_draws, progress_bar, kwargs)
+    def refine(self, rng_key: Array, clients: Clients, num_rounds: int | None = None,
+               num_draws: int = 1000, *, method: str | None = None, progress_bar: bool = True,
+               **kwargs: Any):
+        """The pooled posterior, from this answer. ``method``:
 
-    def _importance(self, rng_key, clients, num_rounds, num_draws, progress_bar, kwargs):
-        from fedppl.infer.importance import SETTINGS, Importance
+        * ``"smc"``: the federated tempered SMC sampler (:class:`fedppl.SMC`, up to
+          ``num_rounds`` rounds, default 50), started from ``q`` (and the clients' private guides
+          for their local sites); an :class:`~fedppl.infer.smc.SMCResult`;
+        * ``"importance"``: the check's exchange repeated (round 1 is the check), each round
+          proposing from a t fitted to the weighted draws so far, until k-hat is below
+          ``khat_target`` (0.5) and the ESS above ``ess_target`` (2000), or ``num_rounds``
+          (default 10); an :class:`~fedppl.infer.importance.ImportanceResult`;
+        * None (default): the sampler where the model has local sites (importance weights over
+          the global sites would rest on noisy estimates of each client's marginal likelihood)
+          or where the check (the importance refinement's first round) flags ``q`` (k-hat above
+          the threshold); the importance refinement otherwise. The choice and why are in the
+          result's ``chosen`` and, with ``progress_bar``, on stderr.
 
+        Keyword arguments are the method's settings (:class:`fedppl.SMC`'s, such as
+        ``num_particles``, or :class:`fedppl.Importance`'s, such as ``df``); the rest are the
+        model's static keyword arguments (by default those the run was given)."""
+        import inspect
+
+        from fedppl.infer.importance import SETTINGS, khat_threshold
+        from fedppl.infer.smc import SMC
+
+        if method not in (None, "smc", "importance"):
+            raise ValueError(f"method must be None (choose), 'smc' or 'importance', got "
+                             f"{method!r}")
+        self._refuse_private("refine")
+        sampler = set(inspect.signature(SMC).parameters) - {"model", "guide", "start"}
+        warn = kwargs.pop("warn", True)
+        own = {k: kwargs.pop(k) for k in list(kwargs) if k in SETTINGS}
+        smc = {k: kwargs.pop(k) for k in list(kwargs) if k in sampler}
+        why = ""
+        if method is None and self.guide.local_layout is not None:
+            method = "smc"
+            why = ("the model has local sites, whose marginal likelihood the importance "
+                   "refinement could only estimate per draw")
+        if method is None:
+            check = self._importance(rng_key, clients, num_rounds or 10, num_draws, progress_bar,
+                                     {**kwargs, **own, "warn": warn,
+                                      "give_up": khat_threshold(num_draws)})
+            if check.reliable or check.num_rounds > 1:
+                check.chosen = "the check's k-hat is below its threshold: importance refinement"
+                _say(progress_bar, f"refine: {check.chosen}")
+                return check
+            method = "smc"
+            why = f"the check flags q (k-hat {check.khat:.2f} above {check.threshold:.2f})"
+        if method == "importance":
+            return self._importance(rng_key, clients, num_rounds or 10, num_draws, progress_bar,
+                                    {**kwargs, **own, "warn": warn})
+        result = self._smc(rng_key, clients, num_rounds or 50, progress_bar,
+                           {**kwargs, **smc, "warn": warn})
+        if why:
+            result.chosen = f"{why}: the SMC sampler"
+            _say(progress_bar, f"refine: {result.chosen}")
+        return result
+
+    def _refuse_private(self, what: str) -> None:
         if self.privacy is not None:
-            raise ValueError("this run is differentially private, and the check's messages (each "
+            raise ValueError(f"this run is differentially private, and {what}'s messages (each "
                              "client's log-likelihood at shared draws) are not privatised or "
-                             "accounted for: fedppl refuses to check a private run rather than "
-                             "spend privacy it has not counted")
-        warn = bool(kwargs.pop("warn", True))
-        settings = {k: kwargs.pop(k) for k in list(kwargs) if k in SETTINGS}
+                             "accounted for: fedppl refuses to use a private run's data again "
+                             "rather than spend privacy it has not counted")
+
+    def _model_kwargs(self, kwargs: dict) -> dict:
         # the static keyword arguments the run bound (a model whose parameters are keyword-only
         # is wrapped in positional()'s KeywordData, whose `keywords` are only their names)
         model_kwargs = dict(self.model.keywords) if isinstance(self.model, BoundModel) else {}
         model_kwargs.update(kwargs)
+        return model_kwargs
+
+    def _smc(self, rng_key, clients, num_rounds, progress_bar, kwargs):
+        import inspect
+
+        from fedppl.infer.smc import SMC
+
+        names = set(inspect.signature(SMC).parameters) - {"model", "guide", "start"}
+        warn = bool(kwargs.pop("warn", True))
+        settings = {k: kwargs.pop(k) for k in list(kwargs) if k in names}
+        settings.setdefault("local", self.local)
+        method = SMC(self.guide.model, self.guide, self.q, **settings)
+        return method.run(rng_key, clients, num_rounds, progress_bar=progress_bar, warn=warn,
+                          **self._model_kwargs(kwargs))
+
+    def _importance(self, rng_key, clients, num_rounds, num_draws, progress_bar, kwargs):
+        from fedppl.infer.importance import SETTINGS, Importance
+
+        self._refuse_private("the check")
+        kwargs = dict(kwargs)
+        warn = bool(kwargs.pop("warn", True))
+        give_up = kwargs.pop("give_up", None)
+        settings = {k: kwargs.pop(k) for k in list(kwargs) if k in SETTINGS}
         method = Importance(self.guide.model, self.guide, self.q, num_draws=num_draws,
                             **settings)
         return method.run(rng_key, clients, num_rounds, progress_bar=progress_bar,
-                          local=self.local, warn=warn, **model_kwargs)
+                          local=self.local, warn=warn, give_up=give_up,
+                          **self._model_kwargs(kwargs))

@@ -26,7 +26,7 @@ How the round reaches its clients is a :class:`ClientMap`, an argument of :func:
 Example (a toy trio: each client sends the sum of its data, the server adds them up)::
 
     >>> import jax, jax.numpy as jnp
-    >>> from fedppl.algorithms.trio import Trio
+    >>> from fedppl.algorithms.trio import Trio, sent
     >>> trio = Trio(lambda s, c, d, m, k, i: (jnp.sum(d * m), c + 1),
     ...             lambda s, msgs, idx, ok, k, ev: (s + jnp.sum(jnp.where(ok, msgs, 0)), ok))
     >>> round_fn = make_round(trio, schedule="sequential")
@@ -69,7 +69,7 @@ import numpy as np
 from jax import Array
 
 from fedppl import trees
-from fedppl.algorithms.trio import Trio
+from fedppl.algorithms.trio import Trio, sent
 
 __all__ = ["make_round", "SCHEDULES", "ClientMap", "VMAP", "LOOP", "host_map", "host_scan",
            "host_cond"]
@@ -152,8 +152,8 @@ def _synchronous(trio: Trio, clients: ClientMap) -> RoundFn:
     def round_fn(server, cstates, data, masks, keys, active, server_key):
         server = _begin(trio, server, server_key)
         index = jnp.arange(masks.shape[0])
-        msgs, proposed, received = clients.update(trio, server, cstates, data, masks, keys,
-                                                  index, active)
+        msgs, proposed, received = clients.update(trio, sent(trio, server), cstates, data,
+                                                  masks, keys, index, active)
         server, replies = serve(server, msgs, index, _taking_part(active, received), server_key,
                                 proposed, data, masks)
         return server, acknowledge(cstates, msgs, replies, proposed), msgs, replies
@@ -182,7 +182,8 @@ def _sequential(trio: Trio, clients: ClientMap) -> RoundFn:
 
             def update(server, inputs):
                 cstate, data_k, mask_k, key_k, k = inputs
-                msg, proposed, received = step(trio, server, cstate, data_k, mask_k, key_k, k)
+                msg, proposed, received = step(trio, sent(trio, server), cstate, data_k, mask_k,
+                                               key_k, k)
                 server, reply = serve(server, msg, k, received, server_key)
                 return server, (acknowledge(cstate, msg, reply, proposed), msg, reply)
 

@@ -15,6 +15,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from fedppl.algorithms.trio import sent
 from fedppl.clients import Clients
 
 try:
@@ -112,7 +113,8 @@ class Node:
         # the trio and this node's states, as the server's set-up has them.
         clients = Clients.from_list([arrays], pad_to=rows)  # padded as the server set it up
         seen = self._set_up(clients)
-        trio, server = seen["trio"], shapes(seen["server"])
+        trio, full = seen["trio"], shapes(seen["server"])
+        server = shapes(sent(trio, seen["server"]))  # what the server sends (its broadcast)
         client = shapes(index(seen["clients"], 0))
         data = tuple(a[0] for a in clients.stacked)
         mask = clients.mask[0]
@@ -131,7 +133,7 @@ class Node:
                                          msg)
         reply = jax.eval_shape(
             lambda s, m: trio.server_update(s, m, jnp.zeros(1, int), jnp.ones(1, bool),
-                                            jax.random.key(0), evaluate), server, stacked)[1]
+                                            jax.random.key(0), evaluate), full, stacked)[1]
         jit = jax.jit if trio.jit else (lambda f: f)
         return _Built(trio, jit(trio.client_update), jit(trio.acknowledge),
                       None if trio.client_evaluate is None else jit(trio.client_evaluate),

@@ -17,7 +17,7 @@ import fedppl
 from fedppl.families import gaussian as g
 from tests.conftest import linear_model, random_intercepts
 from tests.float32.conftest import assert_dtype
-from tests.infer.test_importance import grid_posterior
+from tests.reference import grid_posterior
 
 pytestmark = pytest.mark.usefixtures("no_x64")
 
@@ -43,6 +43,7 @@ def test_check_and_refine_in_float32():
     m0, c0 = res.mean_and_cov()
     narrow = dataclasses.replace(res, q=g.FullGaussian.from_moments(m0, c0 / 4))
     refined = narrow.refine(jax.random.key(1), clients, num_rounds=10, num_draws=2000,
+                            method="importance",
                             ess_target=2000, progress_bar=False, warn=False)
     m, c = refined.mean_and_cov()
     assert refined.history["khat"][0] > 0.7 and refined.khat < 0.5
@@ -62,6 +63,7 @@ def test_local_sites_in_float32():
     res = fedppl.PVI(random_intercepts, guide).run(jax.random.key(0), clients, 8,
                                                    progress_bar=False, n_groups=2)
     refined = res.refine(jax.random.key(2), clients, num_rounds=8, num_draws=1000,
+                         method="importance",
                          progress_bar=False)
     assert np.all(np.isfinite(refined.log_lik))
     mean, sd = grid_posterior(groups)

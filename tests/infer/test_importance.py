@@ -26,6 +26,7 @@ from tests.conftest import (
     random_intercepts,
     random_intercepts_logit,
 )
+from tests.reference import grid_posterior
 
 D, K = 10, 5
 
@@ -76,6 +77,7 @@ def test_a_too_narrow_answer_is_flagged_and_refined(conjugate):
         check = narrow.check(jax.random.key(1), clients, num_draws=2000)
     assert check.khat > 0.7 and not check.reliable
     refined = narrow.refine(jax.random.key(1), clients, num_rounds=10, num_draws=2000,
+                            method="importance",
                             ess_target=4000, progress_bar=False)
     assert refined.khat < 0.5 and refined.ess >= 4000
     assert refined.num_rounds <= 10
@@ -88,26 +90,6 @@ def test_a_too_narrow_answer_is_flagged_and_refined(conjugate):
     assert np.all(np.abs(refined.mean_and_cov()[0] - mean) < 4 * se)
     draws = refined.sample(jax.random.key(3), 500)
     assert draws["w"].shape == (500, D)
-
-
-def grid_posterior(groups):
-    """Mean and sd of ``(mu, log tau)`` by quadrature of the exact marginal likelihood."""
-    mu = np.linspace(-2.5, 3.5, 241)
-    lt = np.linspace(-7, 2.5, 381)
-    M, L = np.meshgrid(mu, lt, indexing="ij")
-    T2 = np.exp(2 * L)
-    logp = stats.norm.logpdf(M) + stats.norm.logpdf(L)  # LogNormal(0, 1) in log tau, with Jacobian
-    for yj in groups:
-        n, s, ss = len(yj), yj.sum(), (yj**2).sum()
-        # N(mu 1, I + tau^2 11'): inverse I - c 11' with c = tau^2 / (1 + n tau^2)
-        c = T2 / (1 + n * T2)
-        quad = ss - 2 * M * s + n * M**2 - c * (s - n * M) ** 2
-        logp += -0.5 * (quad + np.log1p(n * T2) + n * np.log(2 * np.pi))
-    w = np.exp(logp - logp.max())
-    w /= w.sum()
-    mean = np.array([np.sum(w * M), np.sum(w * L)])
-    sd = np.sqrt(np.array([np.sum(w * M**2), np.sum(w * L**2)]) - mean**2)
-    return mean, sd
 
 
 def test_refine_reaches_the_pooled_posterior_with_local_sites():
@@ -131,6 +113,7 @@ def test_refine_reaches_the_pooled_posterior_with_local_sites():
         warnings.simplefilter("ignore")
         check = res.check(jax.random.key(1), clients, num_draws=1000)
     refined = res.refine(jax.random.key(2), clients, num_rounds=8, num_draws=1000,
+                         method="importance",
                          progress_bar=False)
     m, c = refined.mean_and_cov()
     assert np.all(np.abs(m - mean) / sd < 0.1), (m, mean, sd)

@@ -20,12 +20,13 @@ from fedppl.runtime.faults import _CORRUPT as CORRUPTIONS
 from fedppl.runtime.faults import corrupt
 from fedppl.runtime.flower import Task
 
-TASKS = ("pvi-synchronous", "pvi-sequential", "fsgp", "fedbnr", "sgp-dpo", "pfedmul")
+TASKS = ("pvi-synchronous", "pvi-sequential", "fsgp", "fedbnr", "sgp-dpo", "pfedmul",
+         "smc")
 ROUNDS = 3
 
 
 def _data(name: str):
-    if name.startswith("pvi"):
+    if name.startswith("pvi") or name == "smc":
         rng = np.random.default_rng(0)
         X = rng.normal(size=(90, 2))
         y = X @ np.array([1.0, -0.5]) + rng.normal(size=90)
@@ -59,6 +60,10 @@ _MOGP = _mogp_spec()
 
 
 def _method(name: str):
+    if name == "smc":  # the sampler from the prior, a few particles in two islands
+        clients, _ = _data(name)
+        guide = fedppl.PVIGuide(linear_regression).setup(*clients.client(0))
+        return fedppl.SMC(linear_regression, guide, guide.prior, num_particles=100, islands=2)
     if name.startswith("pvi"):
         return fedppl.PVI(linear_regression, fedppl.PVIGuide(linear_regression),
                           schedule=name.split("-")[1])

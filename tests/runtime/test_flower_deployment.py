@@ -75,6 +75,20 @@ def test_warm_workers_serve_every_message(fed, tmp_path):
     assert all("restarting the worker" in fed.log(f"worker-{w}") for w in range(3))
 
 
+def test_the_sampler_on_the_real_engine(fed, tmp_path):
+    """The SMC sampler on the Deployment Engine: the particles stay at the server, each node
+    keeps its own part of every particle and sends only its log-likelihoods; the server state
+    after the rounds is the embedded runtime's."""
+    result, got = _run(fed, tmp_path, method="smc", rounds=3)
+    want_result, want = flower_tasks.embedded("smc", rounds=3)
+    assert len(got) == len(want)
+    for a, b in zip(got, want, strict=True):
+        np.testing.assert_allclose(a, b, rtol=1e-9, atol=1e-10)
+    assert result["rejected"] == []
+    assert result["history"]["beta"] == want_result.history["beta"].tolist()
+    assert result["history"]["bytes_up"] == want_result.history["bytes_up"].tolist()
+
+
 def test_faults_on_the_real_engine(fed, tmp_path):
     """PVI on the Deployment Engine with a straggler slower than the round's timeout and a node
     that sends NaN (round 2), the same node sending a message with which q is not positive

@@ -25,7 +25,7 @@ jax.config.update("jax_enable_x64", True)
 
 
 FULL = os.environ.get("FEDPPL_FLOWER_FULL") == "1"
-ALWAYS = ("pvi-synchronous", "pvi-sequential", "fsgp", "fedbnr")
+ALWAYS = ("pvi-synchronous", "pvi-sequential", "fsgp", "fedbnr", "smc")
 
 
 @pytest.mark.parametrize("name", [

@@ -1,0 +1,206 @@
+"""The federated SMC sampler on the hierarchical logistic regression of ``ep_hierarchical.py``
+against pooled NUTS (issue "The pooled posterior for hierarchical models, federated").
+
+Task (``benchmarks/ep_hierarchical.py``): 40 groups, 20 inputs, 20 rows per group, 25 clients
+holding one or two groups each; 42 global coordinates (21 means, 21 log group scales), each
+client's local sites the non-centred effects of its groups (42 coordinates). The reference is
+pooled NUTS on all the data (4 chains, ``--ref-samples`` draws each after ``--ref-warmup``).
+
+Starts (``--starts``): ``pvi`` (``fedppl.PVI`` with a full-rank guide and its defaults,
+``--pvi-rounds`` rounds: its ``q`` and the clients' private guides), ``ep`` (``fedppl.EP`` with
+its defaults, ``--ep-rounds`` rounds), ``prior`` (the prior's Gaussian in the unconstrained
+space). From each, ``result.refine(key, clients)`` with the sampler's defaults (``fedppl.SMC``:
+1000 particles in 10 islands, 64 local draws...) and ``--rounds`` rounds at most, driven round by
+round here so that every round's errors are recorded:
+
+* ``mean_err``: the worst ``|mean - mean_ref| / sd_ref`` over the 42 coordinates (the
+  issue's target: 0.1); ``sd_err``: the worst ``|sd / sd_ref - 1|`` (target: 0.1);
+* ``stated_mean_mcse``: the sampler's own Monte Carlo error of the mean, the worst over the
+  coordinates in reference sds (from the islands), beside ``mean_err``;
+* per round: temperature, stage, ESS of the reweighting, its k-hat, acceptance, unique
+  particles, the bytes each client sends and is sent, seconds.
+
+Run::
+
+    python benchmarks/smc_hierarchical.py                       # seed 0, from PVI
+    python benchmarks/smc_hierarchical.py --seeds 3 --starts pvi,prior,ep
+    python benchmarks/smc_hierarchical.py --quick                # a smoke run
+
+Prints a table and writes JSON to ``--out`` (default
+benchmarks/results/smc_hierarchical.json).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import subprocess
+import sys
+import time
+import warnings
+from datetime import date
+from pathlib import Path
+
+import jax
+import numpy as np
+import numpyro
+
+import fedppl
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import ep_hierarchical as eh
+from ep_vs_pvi import errors
+
+jax.config.update("jax_enable_x64", True)
+
+
+def start_result(name: str, clients, seed: int, args):
+    """The federated answer the sampler starts from, and the seconds it took."""
+    guide = fedppl.PVIGuide(eh.model, eh.GLOBAL, family="fullrank")
+    t0 = time.perf_counter()
+    if name == "pvi":
+        res = fedppl.PVI(eh.model, guide, elbo_samples=0).run(
+            jax.random.key(seed), clients, args.pvi_rounds, progress_bar=False,
+            n_groups=eh.n_groups())
+    elif name == "ep":
+        res = fedppl.EP(eh.model, guide).run(jax.random.key(seed), clients, args.ep_rounds,
+                                             progress_bar=False, n_groups=eh.n_groups())
+    else:  # the prior, through a PVI result with no rounds' worth of factors
+        res = fedppl.PVI(eh.model, guide, elbo_samples=0).run(
+            jax.random.key(seed), clients, 1, progress_bar=False, n_groups=eh.n_groups())
+        res.q, res.local = res.guide.prior, None
+    return res, time.perf_counter() - t0
+
+
+def sample(res, clients, seed: int, ref_mean, ref_sd, args) -> dict:
+    """``refine`` with the sampler's defaults, round by round: every round's row, and the
+    final particles' errors beside the sampler's own Monte Carlo error."""
+    settings = {"num_particles": args.particles, "islands": args.islands}
+    if args.local_draws:
+        settings["local_draws"] = args.local_draws
+    smc = fedppl.SMC(eh.model, res.guide, res.q, local=res.local, **settings)
+    rule = smc._tol_rule(None)
+    state = smc.init(jax.random.key(100 + seed), clients, n_groups=eh.n_groups())
+    rows, done_at = [], None
+    K = clients.num_clients
+    for _ in range(args.rounds):
+        state, info = smc.update(state)
+        theta = np.asarray(state.server.theta, np.float64)
+        me, se = errors(theta.mean(0), np.cov(theta.T), ref_mean, ref_sd)
+        rows.append({"round": info["round"], "beta": info["beta"], "stage": info["stage"],
+                     "ess": info["ess"], "khat": info["khat"], "accepted": info["accepted"],
+                     "refreshed": info["refreshed"], "unique": info["unique"],
+                     "renewed": info["renewed"], "done": info["done"],
+                     "bytes_up_per_client": info["bytes_up"] / K,
+                     "bytes_down_per_client": info["bytes_down"] / K,
+                     "seconds": info["seconds"], "mean_err": me, "sd_err": se})
+        print(f"    round {info['round']}: beta {info['beta']:.3f} ess {info['ess']:.2f} "
+              f"accepted {info['accepted']:.2f} renewed {info['renewed']:.2f} "
+              f"errors {me:.3f} / {se:.3f} ({info['seconds']:.1f} s)", flush=True)
+        if rule is not None and rule([info]) and done_at is None:
+            done_at = info["round"]
+            at_done = theta.copy()
+            if not args.past_done:
+                break
+    result = smc._started(state).result(state, {k: np.asarray([r[k] for r in rows])
+                                                for k in ("round", "beta")}, [])
+    if done_at is not None and args.past_done:  # the answer the defaults give: at that round
+        result.particles = at_done
+    mc = result.mcse()
+    me, se = errors(*result.mean_and_cov(), ref_mean, ref_sd)
+    return {"rounds": rows, "final": {
+        "rounds": done_at or len(rows), "stopped_by_rule": done_at is not None,
+        "reached": result.reached, "renewed": result.renewed,
+        "mean_err": me, "sd_err": se,
+        "stated_mean_mcse": float(np.max(mc["mean"] / ref_sd)),
+        "stated_sd_mcse": float(np.max(mc["sd"] / ref_sd)),
+        "seconds_per_round": float(np.median([r["seconds"] for r in rows[1:]]))
+        if len(rows) > 1 else float("nan"),
+        "first_round_seconds": rows[0]["seconds"],
+        "bytes_up_per_client_per_round": rows[-1]["bytes_up_per_client"],
+        "bytes_down_per_client_per_round": rows[-1]["bytes_down_per_client"],
+        "within_target": bool(me <= 0.1 and se <= 0.1),
+        "first_round_within_target": next((r["round"] for r in rows
+                                           if r["mean_err"] <= 0.1 and r["sd_err"] <= 0.1),
+                                          None)}}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--seeds", type=int, default=1)
+    ap.add_argument("--first-seed", type=int, default=0)
+    ap.add_argument("--starts", default="pvi", help="comma-separated: pvi, ep, prior")
+    ap.add_argument("--rounds", type=int, default=50, help="the sampler's rounds at most")
+    ap.add_argument("--pvi-rounds", type=int, default=20)
+    ap.add_argument("--ep-rounds", type=int, default=8)
+    ap.add_argument("--particles", type=int, default=1000)
+    ap.add_argument("--islands", type=int, default=10)
+    ap.add_argument("--local-draws", type=int, default=0, help="0: the sampler's default")
+    ap.add_argument("--ref-warmup", type=int, default=1000)
+    ap.add_argument("--ref-samples", type=int, default=2000)
+    ap.add_argument("--past-done", action="store_true",
+                    help="go on to --rounds after the sampler's own stopping rule fires (the "
+                         "round it fired is recorded)")
+    ap.add_argument("--quick", action="store_true")
+    ap.add_argument("--out", default="benchmarks/results/smc_hierarchical.json")
+    args = ap.parse_args()
+    if args.quick:
+        args.rounds, args.pvi_rounds, args.ep_rounds = 3, 2, 1
+        args.particles, args.islands, args.local_draws = 200, 4, 8
+        args.ref_warmup, args.ref_samples = 200, 200
+    warnings.simplefilter("ignore", RuntimeWarning)  # PVI's round log (kept in its history)
+    commit = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True,
+                            cwd=Path(__file__).parent).stdout.strip()
+    results: dict = {
+        "command": " ".join(sys.argv), "date": date.today().isoformat(), "commit": commit,
+        "settings": vars(args) | {"groups": eh.J, "inputs": eh.D, "clients": eh.K},
+        "machine": {"platform": platform.platform(), "cpu_count": os.cpu_count(),
+                    "device": str(jax.devices()[0]), "jax": jax.__version__,
+                    "numpyro": numpyro.__version__},
+        "seeds": []}
+    t_all = time.perf_counter()
+
+    def save():
+        results["wall_seconds"] = time.perf_counter() - t_all
+        Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+        with open(args.out, "w") as f:
+            json.dump(results, f, indent=1)
+
+    for seed in range(args.first_seed, args.first_seed + args.seeds):
+        pooled, _, clients = eh.simulate(seed)
+        guide = fedppl.PVIGuide(eh.model, eh.GLOBAL, family="fullrank").setup(
+            *clients.client(0), n_groups=eh.n_groups())
+        t0 = time.perf_counter()
+        ref = eh.pooled_nuts(pooled, guide, seed, args.ref_samples, args.ref_warmup)
+        ref_mean, ref_sd = ref.mean(0), ref.std(0, ddof=1)
+        run = {"seed": seed, "pooled_nuts_seconds": time.perf_counter() - t0,
+               "reference": {"mean": ref_mean.tolist(), "sd": ref_sd.tolist()}, "starts": {}}
+        results["seeds"].append(run)
+        for name in args.starts.split(","):
+            res, seconds = start_result(name, clients, seed, args)
+            me, se = errors(*res.mean_and_cov(), ref_mean, ref_sd)
+            print(f"seed {seed}, from {name} ({seconds:.0f} s): errors {me:.3f} / {se:.3f}",
+                  flush=True)
+            out = sample(res, clients, seed, ref_mean, ref_sd, args)
+            out["start"] = {"seconds": seconds, "mean_err": me, "sd_err": se}
+            run["starts"][name] = out
+            save()
+    save()
+    print("\n| seed | start | start errors | rounds | reached, renewed | mean err (stated MC) "
+          "| sd err | s/round | KB up / down per client per round |")
+    print("|---|---|---|---|---|---|---|---|---|")
+    for run in results["seeds"]:
+        for name, out in run["starts"].items():
+            f, s = out["final"], out["start"]
+            print(f"| {run['seed']} | {name} | {s['mean_err']:.2f} / {s['sd_err']:.2f} | "
+                  f"{f['rounds']} | {f['reached']}, {f['renewed']:.2f} | {f['mean_err']:.3f} "
+                  f"({f['stated_mean_mcse']:.3f}) | {f['sd_err']:.3f} | "
+                  f"{f['seconds_per_round']:.1f} | {f['bytes_up_per_client_per_round'] / 1e3:.0f} "
+                  f"/ {f['bytes_down_per_client_per_round'] / 1e3:.0f} |")
+    print(f"wrote {args.out} ({results['wall_seconds']:.0f} s)")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,484 @@
+"""Federated tempered SMC: the pooled posterior of a NumPyro model, sampled by particles whose
+global sites live at the server and whose local sites never leave their client.
+
+The target is ``pi(theta) ∝ p(theta) prod_k p(y_k | theta)`` over the flat unconstrained vector
+``theta`` of the global sites (a :class:`~fedppl.guides.PVIGuide`'s layout). ``N`` particles
+start from a reference ``q0`` (a federated answer's Gaussian) and the likelihood is brought in by
+tempering, ``pi_b ∝ q0^(1 - b) pi^b`` for ``b`` from 0 to 1 (Del Moral, Doucet and Jasra, 2006).
+Each round, in one exchange:
+
+* the server sends the particles ``theta``, a proposal ``theta'`` for each, the ancestors of the
+  last resampling and the temperature (:class:`Broadcast`: nothing else leaves the server);
+* each client sends back, per particle, its log-likelihood at ``theta`` and at ``theta'``
+  (:class:`Message`: ``2 N`` numbers, never a record, never a local site);
+* the server accepts or rejects each move by Metropolis-Hastings from the sums over clients
+  (its own prior and ``q0`` terms added); once enough particles have moved at this temperature,
+  it picks the next one so that the effective sample size of the incremental weights
+  ``(b' - b) * log-likelihood`` stays near ``ess_target * N`` (reusing numbers already sent: no
+  extra round), resamples within each island (systematic), and draws the next proposals.
+
+The clients' log-likelihoods with local sites ``z_k`` (random effects) are pseudo-marginal: each
+client integrates its own ``z_k`` by an importance estimate unbiased for ``p(y_k | theta)``
+(Laplace proposal, ``local_draws`` normal draws in antithetic pairs:
+:func:`fedppl.algorithms.importance.laplace_estimate`). Those normal draws are auxiliary
+variables of the particle, kept at the client (as a key): a move of ``theta`` reuses them, so
+the estimates at ``theta`` and ``theta'`` are correlated and their ratio is far less noisy than
+either; between moves the client refreshes them by a Metropolis-Hastings step of its own
+(target ``p_hat^b`` times their normal density: no exchange). The extended target's marginal in
+``theta`` at ``b = 1`` is the pooled posterior exactly (Andrieu and Roberts, 2009); the
+tempered intermediate ones are ``q0^(1-b) p^b E[p_hat^b]``, near ``pi_b`` while the estimates'
+variance is small.
+
+The moves: with probability ``independent`` an independence proposal from a scale mixture of
+Gaussians fitted to the particles (mean and covariance, times each of ``scales``: the wider
+components let a cloud that started too narrow grow), else a random walk with the particles'
+covariance, its scale tuned towards ``rw_target`` acceptance. The mixture's density enters the
+acceptance ratio, so each move leaves the tempered target invariant.
+
+``islands``: the particles are split into equal islands that are resampled separately (the
+temperature and the proposals are shared), so the spread of the islands' means gives an honest
+Monte Carlo error for any moment (Vergé, Dubarry, Del Moral and Moulines, 2015).
+
+Temperatures are found by bisection (blackjax's ``smc.solver.dichotomy``), resampling is
+blackjax's systematic resampling.
+
+Example (the server's pieces: the next temperature keeps half of each island's effective
+particles, and resampling stays within the islands; :mod:`fedppl.infer.smc` builds the trio
+from a model)::
+
+    >>> import jax, jax.numpy as jnp
+    >>> log_lik = 10 * jax.random.normal(jax.random.key(0), (100,))
+    >>> beta = next_temperature(jnp.asarray(0.0), log_lik, islands=4, ess_target=0.5)
+    >>> bool(0 < beta < 1), round(float(island_ess(beta * log_lik, 4)), 3)
+    (True, 0.5)
+    >>> ancestors = resample(jax.random.key(1), beta * log_lik, islands=4)
+    >>> bool(jnp.all(ancestors[:25] < 25)), bool(jnp.all(ancestors[25:50] // 25 == 1))
+    (True, True)
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any, NamedTuple
+
+import jax
+import jax.numpy as jnp
+from jax import Array
+from jax.scipy.special import logsumexp
+
+from fedppl.algorithms.importance import laplace_estimate, laplace_fit
+from fedppl.algorithms.trio import Trio
+from fedppl.families import gaussian as g
+
+__all__ = ["Settings", "Broadcast", "ServerState", "ClientState", "Pending", "Message", "Reply",
+           "server_init", "client_init", "make_trio", "next_temperature",
+           "island_ess", "resample", "propose", "log_proposal"]
+
+
+#: nats: a client's log-likelihood beyond this in size is refused (no data set gives one)
+LIMIT = 1e9
+
+
+class Settings(NamedTuple):
+    """The sampler's static settings (hashable: one compiled round per settings).
+
+    ``num_particles`` (a multiple of ``islands``); ``local_draws`` (even; 0 without local
+    sites); ``newton_steps`` of each local Laplace fit; ``refreshes`` of a client's auxiliary
+    draws per round; ``ess_target`` (the share of particles the incremental weights keep);
+    ``renew`` (the share of particles that must have moved at a temperature before the next);
+    ``independent`` (the share of independence proposals), ``scales`` (their covariance
+    multipliers), ``rw_target`` (the random walk's acceptance), ``batch_size`` (particles a
+    client evaluates at once)."""
+
+    num_particles: int = 1000
+    islands: int = 10
+    local_draws: int = 64
+    newton_steps: int = 3
+    refreshes: int = 1
+    ess_target: float = 0.5
+    renew: float = 0.5
+    independent: float = 0.5
+    scales: tuple[float, ...] = (1.0, 2.0, 4.0)
+    rw_target: float = 0.3
+    batch_size: int = 256
+
+
+class Broadcast(NamedTuple):
+    """What the server sends every client: the particles ``(N, D)``, a proposal for each
+    ``(N, D)``, the ancestors of the last resampling ``(N,)`` (indices into the clients' own
+    particles before it), the temperature, and whether this is the first round (the clients set
+    their particles up at ``theta`` and nothing moves)."""
+
+    theta: Array
+    proposal: Array
+    ancestors: Array
+    beta: Array
+    start: Array
+
+
+class ServerState(NamedTuple):
+    """The server's state: what it broadcasts (the first five fields) and what stays with it:
+    the summed log-likelihood of the clients at each particle ``log_lik`` ``(N,)``, which
+    particles moved at this temperature, the random walk's scale, the proposal mixture's mean
+    and Cholesky factor and which kind made each proposal (for the acceptance ratio), the
+    incremental log weights of the last reweighting (for its k-hat), the stage (temperatures
+    so far), the moves at temperature 1, the last round's acceptance and ESS, the reference
+    ``q0`` the particles started from, and each client's last log-likelihoods ``(K, N)`` (what
+    its next message is judged against)."""
+
+    theta: Array
+    proposal: Array
+    ancestors: Array
+    beta: Array
+    start: Array
+    log_lik: Array
+    moved: Array
+    rw_scale: Array
+    centre: Array
+    chol: Array
+    kind: Array
+    increment: Array
+    stage: Array
+    final_moves: Array
+    accepted: Array
+    ess: Array
+    reference: g.Gaussian
+    client_log_lik: Array
+
+
+class Pending(NamedTuple):
+    """What a client's last step proposed, one part of which the server's reply selects: the
+    keys and estimates after its refresh, and the Laplace fits and estimates at the
+    proposals."""
+
+    keys: Array
+    estimate: Array
+    mode: Array
+    chol: Array
+    moved: Array
+
+
+class ClientState(NamedTuple):
+    """A client's part of every particle: the key of its auxiliary normal draws ``(N, 2)``
+    (key data), the Laplace fit of its local sites at the particle's ``theta`` (mode ``(N, d)``,
+    precision's Cholesky factor ``(N, d, d)``), its current log-likelihood estimate ``(N,)``,
+    its private guide's conditional mean map (``nat1``, ``prec``, ``cross`` of a
+    :class:`~fedppl.families.gaussian.Conditional`, the Laplace fit's starting point; zeros
+    without one), and what its last step proposed (:class:`Pending`). Without local sites
+    only ``estimate`` is used. The state a step proposes has the particles as resampled (its
+    refresh and its moves pending): :func:`make_trio`'s ``acknowledge`` applies the reply."""
+
+    keys: Array
+    mode: Array
+    chol: Array
+    estimate: Array
+    guide: g.Conditional
+    pending: Pending
+
+
+class Message(NamedTuple):
+    """A client's message: its log-likelihood (estimate) at each particle after its refresh
+    ``(N,)`` and at each proposal ``(N,)``, and the share of its refreshes accepted."""
+
+    current: Array
+    proposed: Array
+    refreshed: Array
+
+
+class Reply(NamedTuple):
+    """The server's reply: which particles moved ``(N,)``; ``keep`` (False: the round was void,
+    a client's message missing or refused; every client undoes its refresh); ``refused``
+    (this client's message was refused, or never came)."""
+
+    accepted: Array
+    keep: Array
+    refused: Array
+
+
+# -- the server's pieces (pure, jit-able) -------------------------------------------------------
+
+
+def island_ess(log_weights: Array, islands: int) -> Array:
+    """The mean over islands of each island's ESS as a share of its particles."""
+    lw = log_weights.reshape(islands, -1)
+    n = lw.shape[1]
+    log_ess = 2 * logsumexp(lw, axis=1) - logsumexp(2 * lw, axis=1)
+    return jnp.mean(jnp.exp(log_ess)) / n
+
+
+def _scaled(delta: Array, log_lik: Array) -> Array:
+    """``delta * log_lik`` with ``-inf`` (a particle the data rule out) kept at ``-inf``."""
+    return jnp.where(jnp.isneginf(log_lik), -jnp.inf, delta * jnp.nan_to_num(log_lik))
+
+
+def next_temperature(beta: Array, log_lik: Array, islands: int, ess_target: float) -> Array:
+    """The next temperature: the largest ``b' <= 1`` whose incremental weights
+    ``(b' - b) * log_lik`` keep an island ESS of ``ess_target`` (bisection, blackjax's
+    ``dichotomy``); 1 if that keeps it already."""
+    from blackjax.smc.solver import dichotomy
+
+    def excess(delta):
+        return island_ess(_scaled(delta, log_lik), islands) - ess_target
+
+    top = 1.0 - beta
+    delta = dichotomy(excess, jnp.zeros_like(top), top, eps=1e-6)
+    delta = jnp.where(jnp.isnan(delta), 1e-6 * top, delta)  # no step keeps it: the smallest
+    return jnp.minimum(beta + jnp.clip(delta, 0.0, top), 1.0)
+
+
+def resample(key: Array, log_weights: Array, islands: int) -> Array:
+    """Ancestors ``(N,)``: systematic resampling (blackjax) within each island."""
+    from blackjax.smc.resampling import systematic
+
+    lw = log_weights.reshape(islands, -1)
+    n = lw.shape[1]
+    w = jnp.exp(lw - logsumexp(lw, axis=1, keepdims=True))
+    idx = jax.vmap(systematic, (0, 0, None))(jax.random.split(key, islands), w, n)
+    return (idx + n * jnp.arange(islands)[:, None]).reshape(-1).astype(jnp.int32)
+
+
+def _fit(theta: Array) -> tuple[Array, Array]:
+    """Mean and Cholesky factor of the particles' covariance (with a relative jitter)."""
+    D = theta.shape[1]
+    centre = jnp.mean(theta, 0)
+    cov = jnp.cov(theta.T).reshape(D, D)
+    jitter = 1e-9 * jnp.maximum(jnp.trace(cov) / D, jnp.finfo(theta.dtype).tiny)
+    return centre, jnp.linalg.cholesky(cov + (jitter + 1e-12) * jnp.eye(D, dtype=theta.dtype))
+
+
+def propose(key: Array, theta: Array, centre: Array, chol: Array, rw_scale: Array,
+            settings: Settings) -> tuple[Array, Array]:
+    """Proposals ``(N, D)`` and their kinds ``(N,)`` (0: random walk; ``j + 1``: independence
+    component ``j``, covariance times ``scales[j]``)."""
+    k_kind, k_comp, k_eps = jax.random.split(key, 3)
+    N = theta.shape[0]
+    eps = jax.random.normal(k_eps, theta.shape, theta.dtype) @ chol.T
+    scales = jnp.asarray(settings.scales, theta.dtype)
+    comp = jax.random.randint(k_comp, (N,), 0, len(settings.scales))
+    independent = jax.random.uniform(k_kind, (N,)) < settings.independent
+    walk = theta + rw_scale * eps
+    jump = centre + jnp.sqrt(scales[comp])[:, None] * eps
+    return (jnp.where(independent[:, None], jump, walk),
+            jnp.where(independent, comp + 1, 0).astype(jnp.int32))
+
+
+def log_proposal(to: Array, frm: Array, centre: Array, chol: Array, rw_scale: Array,
+                 settings: Settings) -> Array:
+    """Log density of proposing ``to`` from ``frm`` (rows) under the mixture of :func:`propose`."""
+    D = to.shape[1]
+
+    def log_normal(x, mean, scale):  # N(mean, scale^2 chol chol')
+        u = jax.scipy.linalg.solve_triangular(chol, (x - mean).T, lower=True).T / scale
+        return (-0.5 * jnp.sum(u**2, -1) - D * jnp.log(scale)
+                - jnp.sum(jnp.log(jnp.diagonal(chol))) - 0.5 * D * jnp.log(2 * jnp.pi))
+
+    scales = jnp.asarray(settings.scales, to.dtype)
+    parts = [jnp.log(settings.independent / len(settings.scales))
+             + log_normal(to, centre, jnp.sqrt(c)) for c in scales]
+    if settings.independent < 1:
+        parts.append(jnp.log1p(-settings.independent) + log_normal(to, frm, rw_scale))
+    return logsumexp(jnp.stack(parts), axis=0)
+
+
+def server_init(key: Array, q0: g.Gaussian, num_clients: int, settings: Settings
+                ) -> ServerState:
+    """The first state: ``N`` particles drawn from ``q0``, no proposal yet (the first round
+    sets the clients' particles up)."""
+    theta = g.sample(key, q0, settings.num_particles)
+    N, D = theta.shape
+    zero = jnp.zeros((), theta.dtype)
+    centre, chol = _fit(theta)
+    return ServerState(theta, theta, jnp.arange(N, dtype=jnp.int32), zero, jnp.asarray(True),
+                       jnp.zeros(N, theta.dtype), jnp.zeros(N, bool),
+                       jnp.asarray(2.38 / D**0.5, theta.dtype), centre, chol,
+                       jnp.zeros(N, jnp.int32), jnp.zeros(N, theta.dtype),
+                       jnp.zeros((), jnp.int32), jnp.zeros((), jnp.int32), zero,
+                       jnp.ones((), theta.dtype), q0,
+                       jnp.zeros((num_clients, N), theta.dtype))
+
+
+def client_init(num_particles: int, local_dim: int, guide: g.Conditional | None,
+                global_dim: int, dtype: Any) -> ClientState:
+    """A client's first state (its particles are set up in the first round)."""
+    N, d, D = num_particles, local_dim, global_dim
+    if guide is None:
+        guide = g.Conditional(jnp.zeros(d, dtype), jnp.eye(d, dtype=dtype),
+                              jnp.zeros((d, D), dtype))
+    key_shape = jax.random.key_data(jax.random.key(0)).shape
+    keys = jnp.zeros((N, *key_shape), jnp.uint32)
+    mode, chol = jnp.zeros((N, d), dtype), jnp.broadcast_to(jnp.eye(d, dtype=dtype), (N, d, d))
+    zero = jnp.zeros(N, dtype)
+    return ClientState(keys, mode, chol, zero, guide, Pending(keys, zero, mode, chol, zero))
+
+
+# -- the trio ----------------------------------------------------------------------------------
+
+
+def make_trio(log_lik: Callable, log_prior: Callable, local_dim: int, settings: Settings
+              ) -> Trio:
+    """The sampler as a trio.
+
+    ``log_lik(data, mask) -> f(theta, z)``: a client's log density of its data and local sites
+    (``z`` of length ``local_dim``, 0 without local sites); ``log_prior(theta)``: the prior's log
+    density in the unconstrained space (the server's). The reference ``q0`` the particles start
+    from is in the server's state (:func:`server_init`), so one trio serves every start."""
+    d, M = local_dim, settings.local_draws
+
+    def estimates(f, theta, keys, mode, chol):
+        """Each particle's log-likelihood estimate with its own auxiliary draws."""
+        if d == 0:
+            return _map(lambda th: f(th, jnp.zeros(0, th.dtype)), theta, settings.batch_size)
+
+        def one(args):
+            th, k, m, c = args
+            return laplace_estimate(lambda z: f(th, z), m, c, jax.random.wrap_key_data(k),
+                                    M)[0]
+
+        return _map(one, (theta, keys, mode, chol), settings.batch_size)
+
+    def fits(f, theta, guide, start):
+        """Each particle's Laplace fit of its local sites at ``theta``, from the private guide's
+        conditional mean (or ``start``, where it has none)."""
+        if d == 0:
+            return start, jnp.zeros((theta.shape[0], 0, 0), theta.dtype)
+
+        def one(args):
+            th, z0 = args
+            mean = jnp.linalg.solve(guide.prec, guide.nat1 - guide.cross @ th)
+            z0 = jnp.where(jnp.any(guide.cross != 0) | jnp.any(guide.nat1 != 0), mean, z0)
+            return laplace_fit(lambda z: f(th, z), z0, settings.newton_steps)
+
+        return _map(one, (theta, start), settings.batch_size)
+
+    def set_up(bc: Broadcast, client: ClientState, f, key):
+        N = bc.theta.shape[0]
+        keys = jax.random.key_data(jax.random.split(key, N))
+        mode, chol = fits(f, bc.theta, client.guide, client.mode)
+        est = estimates(f, bc.theta, keys, mode, chol)
+        pending = Pending(keys, est, mode, chol, est)
+        return (Message(est, est, jnp.ones((), est.dtype)),
+                ClientState(keys, mode, chol, est, client.guide, pending))
+
+    def move(bc: Broadcast, client: ClientState, f, key):
+        # the particles as the server resampled them (its guide and last proposal as they are)
+        keys, mode, chol, est = (x[bc.ancestors] for x in client[:4])
+        before = ClientState(keys, mode, chol, est, client.guide, client.pending)
+        k_refresh, _ = jax.random.split(key)
+        rate = jnp.ones((), est.dtype)
+        if d > 0 and settings.refreshes > 0:  # the auxiliary draws, refreshed at the client
+            total = jnp.zeros((), est.dtype)
+            for r in range(settings.refreshes):
+                k_new, k_u = jax.random.split(jax.random.fold_in(k_refresh, r))
+                fresh = jax.random.key_data(jax.random.split(k_new, keys.shape[0]))
+                new_est = estimates(f, bc.theta, fresh, before.mode, before.chol)
+                u = jax.random.uniform(k_u, est.shape, est.dtype)
+                ok = jnp.log(u) < _scaled(bc.beta, new_est) - _scaled(bc.beta, est)
+                keys = jnp.where(ok[:, None], fresh, keys)
+                est = jnp.where(ok, new_est, est)
+                total = total + jnp.mean(ok)
+            rate = total / settings.refreshes
+        mode, chol = fits(f, bc.proposal, client.guide, before.mode)
+        moved = estimates(f, bc.proposal, keys, mode, chol)
+        return (Message(est, moved, rate),
+                before._replace(pending=Pending(keys, est, mode, chol, moved)))
+
+    def client_update(bc: Broadcast, client: ClientState, data, mask, key, index):
+        f = log_lik(data, mask)
+        return jax.lax.cond(bc.start, lambda: set_up(bc, client, f, key),
+                            lambda: move(bc, client, f, key))
+
+    def acknowledge(client: ClientState, message: Message, reply: Reply,
+                    proposed: ClientState) -> ClientState:
+        acc, p = reply.accepted, proposed.pending
+        kept = proposed._replace(
+            keys=p.keys, estimate=jnp.where(acc, p.moved, p.estimate),
+            mode=jnp.where(acc[:, None], p.mode, proposed.mode),
+            chol=jnp.where(acc[:, None, None], p.chol, proposed.chol))
+        # a void round: the particles as resampled, the refresh undone
+        return jax.tree_util.tree_map(lambda a, b: jnp.where(reply.keep, a, b), kept, proposed)
+
+    def server_terms(q0, theta):
+        """The server's own part of the log target, ``(log q0, log prior - log q0)``."""
+        lq = jax.vmap(lambda th: g.log_prob(q0, th))(theta)
+        return lq, jax.vmap(log_prior)(theta) - lq
+
+    def server_update(state: ServerState, msgs: Message, index, received, key, evaluate):
+        K = received.shape[0]
+        refused = received & ~plausible(state, msgs)
+        ok = jnp.all(received) & ~jnp.any(refused)
+        k_acc, k_temp, k_prop = jax.random.split(key, 3)
+        current = jnp.sum(jnp.where(ok, msgs.current, 0.0), 0)
+        proposed = jnp.sum(jnp.where(ok, msgs.proposed, 0.0), 0)
+        lq, l0 = server_terms(state.reference, state.theta)
+        lq_new, l0_new = server_terms(state.reference, state.proposal)
+        cur = l0 + current
+        new = l0_new + proposed
+        log_ratio = (lq_new - lq + _scaled(state.beta, new) - _scaled(state.beta, cur)
+                     + log_proposal(state.theta, state.proposal, state.centre, state.chol,
+                                    state.rw_scale, settings)
+                     - log_proposal(state.proposal, state.theta, state.centre, state.chol,
+                                    state.rw_scale, settings))
+        u = jax.random.uniform(k_acc, log_ratio.shape, log_ratio.dtype)
+        accepted = (jnp.log(u) < jnp.nan_to_num(log_ratio, nan=-jnp.inf)) & ok & ~state.start
+        theta = jnp.where(accepted[:, None], state.proposal, state.theta)
+        log_lik = jnp.where(ok, jnp.where(accepted, new, cur), state.log_lik)
+        moved = state.moved | accepted
+        walk = (state.kind == 0) & ~state.start
+        rate_walk = jnp.sum(accepted & walk) / jnp.maximum(jnp.sum(walk), 1)
+        rw_scale = jnp.where(ok & jnp.any(walk),
+                             state.rw_scale * jnp.exp(rate_walk - settings.rw_target),
+                             state.rw_scale)
+        # the next temperature, once enough particles moved at this one
+        temper = ok & (state.beta < 1) & (state.start | (jnp.mean(moved) >= settings.renew))
+        beta = jnp.where(temper, next_temperature(state.beta, log_lik, settings.islands,
+                                                  settings.ess_target), state.beta)
+        increment = _scaled(beta - state.beta, log_lik)
+        ancestors = jnp.where(temper, resample(k_temp, increment, settings.islands),
+                              jnp.arange(theta.shape[0], dtype=jnp.int32))
+        ess = jnp.where(temper, island_ess(increment, settings.islands), 1.0)
+        theta, log_lik = theta[ancestors], log_lik[ancestors]
+        moved = jnp.where(temper, False, moved)
+        centre, chol = _fit(theta)
+        proposal, kind = propose(k_prop, theta, centre, chol, rw_scale, settings)
+        at_one = (state.beta >= 1) & ok
+        own = jnp.where(accepted, msgs.proposed, msgs.current)[:, ancestors]
+        client_log_lik = jnp.where(ok, own, state.client_log_lik[:, ancestors])
+        new_state = ServerState(
+            theta, proposal, ancestors, beta, state.start & ~ok, log_lik, moved, rw_scale,
+            centre, chol, kind, jnp.where(temper, increment, state.increment),
+            state.stage + temper, state.final_moves + at_one,
+            jnp.where(state.start, jnp.nan, jnp.mean(accepted)).astype(theta.dtype),
+            ess.astype(theta.dtype), state.reference, client_log_lik)
+        replies = Reply(jnp.broadcast_to(accepted, (K, *accepted.shape)),
+                        jnp.broadcast_to(ok, (K,)), refused | ~received)
+        return new_state, replies
+
+    def plausible(state: ServerState, msgs: Message) -> Array:
+        """Which clients' messages the server can use ``(K,)``: no NaN, no ``+inf``, nothing
+        beyond ``LIMIT`` nats (but a proposal's ``-inf`` or very low value, which the move
+        rejects), and after the first round nothing far above what the client sent before: a
+        current value within ``band`` of its last one (a refresh changes it by the estimate's
+        noise), a proposal at most ``band`` above its largest, ``band`` the larger of 100 nats
+        and ten times the spread of its last values."""
+        cur, new = msgs.current, msgs.proposed
+        ok = ~(jnp.isnan(cur) | jnp.isnan(new) | jnp.isposinf(cur) | jnp.isposinf(new))
+        ok &= (jnp.abs(jnp.where(jnp.isneginf(cur), 0.0, cur)) <= LIMIT) & (new <= LIMIT)
+        last = state.client_log_lik  # in the order of the particles sent
+        finite = jnp.where(jnp.isfinite(last), last, jnp.nan)
+        top = jnp.nanmax(finite, axis=1, keepdims=True)
+        band = jnp.maximum(100.0, 10.0 * (top - jnp.nanmin(finite, axis=1, keepdims=True)))
+        near = (jnp.abs(cur - last) <= band) | ~jnp.isfinite(last)
+        below = (new <= top + band) | jnp.isnan(top)
+        ok &= state.start | (near & below)
+        return jnp.all(ok, axis=1)
+
+    def broadcast(state: ServerState) -> Broadcast:
+        return Broadcast(state.theta, state.proposal, state.ancestors, state.beta, state.start)
+
+    return Trio(client_update, server_update, acknowledge, broadcast=broadcast)
+
+
+def _map(fn: Callable, xs: Any, batch_size: int) -> Any:
+    """``jax.lax.map`` over the particles in batches of ``batch_size``."""
+    n = jax.tree_util.tree_leaves(xs)[0].shape[0]
+    return jax.lax.map(fn, xs, batch_size=min(batch_size, n))
