@@ -141,7 +141,8 @@ def sampled(res, clients, seed: int, ref, args, **model_kwargs) -> dict:
                else float(h["seconds"][0]),
                bytes_up_per_client_per_round=float(h["bytes_up"][-1]) / clients.num_clients,
                bytes_down_per_client_per_round=float(h["bytes_down"][-1]) / clients.num_clients,
-               stages=int(h["stage"][-1]), warnings=[str(w.message)[:200] for w in caught])
+               stages=int(h["stage"][-1]), local_sd=out.local_sd,
+               warnings=[str(w.message)[:200] for w in caught])
     if forced:
         row["importance"] = scores(*imp.mean_and_cov(), *ref)
         row["importance"].update(khat=imp.khat, rounds=imp.num_rounds)

@@ -18,7 +18,8 @@ round here so that every round's errors are recorded:
 * ``stated_mean_mcse``: the sampler's own Monte Carlo error of the mean, the worst over the
   coordinates in reference sds (from the islands), beside ``mean_err``;
 * per round: temperature, stage, ESS of the reweighting, its k-hat, acceptance, unique
-  particles, the bytes each client sends and is sent, seconds.
+  particles, ``local_sd`` (the sd of the clients' summed log-likelihood estimates, the
+  sampler's diagnostic of their noise), the bytes each client sends and is sent, seconds.
 
 Run::
 
@@ -92,6 +93,7 @@ def sample(res, clients, seed: int, ref_mean, ref_sd, args) -> dict:
         rows.append({"round": info["round"], "beta": info["beta"], "stage": info["stage"],
                      "ess": info["ess"], "khat": info["khat"], "accepted": info["accepted"],
                      "refreshed": info["refreshed"], "unique": info["unique"],
+                     "local_sd": info["local_sd"],
                      "renewed": info["renewed"], "done": info["done"],
                      "bytes_up_per_client": info["bytes_up"] / K,
                      "bytes_down_per_client": info["bytes_down"] / K,
@@ -112,7 +114,7 @@ def sample(res, clients, seed: int, ref_mean, ref_sd, args) -> dict:
     me, se = errors(*result.mean_and_cov(), ref_mean, ref_sd)
     return {"rounds": rows, "final": {
         "rounds": done_at or len(rows), "stopped_by_rule": done_at is not None,
-        "reached": result.reached, "renewed": result.renewed,
+        "reached": result.reached, "renewed": result.renewed, "local_sd": rows[-1]["local_sd"],
         "mean_err": me, "sd_err": se,
         "stated_mean_mcse": float(np.max(mc["mean"] / ref_sd)),
         "stated_sd_mcse": float(np.max(mc["sd"] / ref_sd)),

@@ -262,7 +262,7 @@ def render_smc(datas, options):
     sampler's own stopping rule gave, and the last round's when it ran past it)."""
     header = ["result file", "seed", "start", "start errors (mean sd / sd)", "rounds",
               "reached, renewed", "worst mean error (sd)", "its Monte Carlo error (sd)",
-              "worst sd error", "last round's errors", "s / round"]
+              "worst sd error", "local sd (nats)", "last round's errors", "s / round"]
     rows = []
     for name, data in datas:
         for run in data["seeds"]:
@@ -274,7 +274,7 @@ def render_smc(datas, options):
                     fmt(f["rounds"]) + ("" if f["stopped_by_rule"] else " (no stop)"),
                     f"{fmt(f['reached'])}, {fmt(f['renewed'], '.2f')}",
                     fmt(f["mean_err"], ".3f"), fmt(f["stated_mean_mcse"], ".3f"),
-                    fmt(f["sd_err"], ".3f"),
+                    fmt(f["sd_err"], ".3f"), fmt(f.get("local_sd"), ".2f"),
                     f"round {last['round']}: {fmt(last['mean_err'], '.3f')} / "
                     f"{fmt(last['sd_err'], '.3f')}",
                     fmt(f["seconds_per_round"], ".1f")])
@@ -285,7 +285,8 @@ def render_smc_breadth(datas, options):
     """The SMC sampler beside PVI on each task of ``smc_breadth.py``, against pooled NUTS."""
     header = ["task", "PVI (mean sd / sd)", "sampler (mean sd / sd)",
               "its Monte Carlo error (sd)", "worst error / Monte Carlo error",
-              "reference's MC error (sd)", "rounds", "reached, renewed", "s / round",
+              "reference's MC error (sd)", "rounds", "reached, renewed", "local sd (nats)",
+              "s / round",
               "importance refinement (mean sd / sd)"]
     rows = []
     for _name, data in datas:
@@ -298,7 +299,7 @@ def render_smc_breadth(datas, options):
                 fmt(s["stated_mean_mcse"], ".3f"), fmt(s["worst_z"], ".1f"),
                 fmt(s["reference_mc"], ".3f"), fmt(s["rounds"]),
                 f"{fmt(s['reached'])}, {fmt(s['renewed'], '.2f')}",
-                fmt(s["seconds_per_round"], ".1f"),
+                fmt(s.get("local_sd"), ".2f"), fmt(s["seconds_per_round"], ".1f"),
                 f"{fmt(imp['mean_err'], '.3f')} / {fmt(imp['sd_err'], '.3f')}" if imp
                 else "- (not chosen)"])
     return [Table(options.get("caption"), header, rows)]

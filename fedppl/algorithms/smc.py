@@ -178,11 +178,14 @@ class ClientState(NamedTuple):
 
 class Message(NamedTuple):
     """A client's message: its log-likelihood (estimate) at each particle after its refresh
-    ``(N,)`` and at each proposal ``(N,)``, and the share of its refreshes accepted."""
+    ``(N,)`` and at each proposal ``(N,)``, the share of its refreshes accepted, and the median
+    over the proposals of its log-estimates' estimated variance (0 without local sites: exact;
+    a diagnostic of the estimates' noise, which slows the moves)."""
 
     current: Array
     proposed: Array
     refreshed: Array
+    variance: Array
 
 
 class Reply(NamedTuple):
@@ -325,14 +328,15 @@ def make_trio(log_lik: Callable, log_prior: Callable, local_dim: int, settings: 
     d, M = local_dim, settings.local_draws
 
     def estimates(f, theta, keys, mode, chol):
-        """Each particle's log-likelihood estimate with its own auxiliary draws."""
+        """Each particle's log-likelihood estimate with its own auxiliary draws, and the
+        estimated variance of each (zero without local sites)."""
         if d == 0:
-            return _map(lambda th: f(th, jnp.zeros(0, th.dtype)), theta, settings.batch_size)
+            est = _map(lambda th: f(th, jnp.zeros(0, th.dtype)), theta, settings.batch_size)
+            return est, jnp.zeros_like(est)
 
         def one(args):
             th, k, m, c = args
-            return laplace_estimate(lambda z: f(th, z), m, c, jax.random.wrap_key_data(k),
-                                    M)[0]
+            return laplace_estimate(lambda z: f(th, z), m, c, jax.random.wrap_key_data(k), M)
 
         return _map(one, (theta, keys, mode, chol), settings.batch_size)
 
@@ -354,9 +358,9 @@ def make_trio(log_lik: Callable, log_prior: Callable, local_dim: int, settings: 
         N = bc.theta.shape[0]
         keys = jax.random.key_data(jax.random.split(key, N))
         mode, chol = fits(f, bc.theta, client.guide, client.mode)
-        est = estimates(f, bc.theta, keys, mode, chol)
+        est, var = estimates(f, bc.theta, keys, mode, chol)
         pending = Pending(keys, est, mode, chol, est)
-        return (Message(est, est, jnp.ones((), est.dtype)),
+        return (Message(est, est, jnp.ones((), est.dtype), jnp.median(var)),
                 ClientState(keys, mode, chol, est, client.guide, pending))
 
     def move(bc: Broadcast, client: ClientState, f, key):
@@ -370,7 +374,7 @@ def make_trio(log_lik: Callable, log_prior: Callable, local_dim: int, settings: 
             for r in range(settings.refreshes):
                 k_new, k_u = jax.random.split(jax.random.fold_in(k_refresh, r))
                 fresh = jax.random.key_data(jax.random.split(k_new, keys.shape[0]))
-                new_est = estimates(f, bc.theta, fresh, before.mode, before.chol)
+                new_est = estimates(f, bc.theta, fresh, before.mode, before.chol)[0]
                 u = jax.random.uniform(k_u, est.shape, est.dtype)
                 ok = jnp.log(u) < _scaled(bc.beta, new_est) - _scaled(bc.beta, est)
                 keys = jnp.where(ok[:, None], fresh, keys)
@@ -378,8 +382,8 @@ def make_trio(log_lik: Callable, log_prior: Callable, local_dim: int, settings: 
                 total = total + jnp.mean(ok)
             rate = total / settings.refreshes
         mode, chol = fits(f, bc.proposal, client.guide, before.mode)
-        moved = estimates(f, bc.proposal, keys, mode, chol)
-        return (Message(est, moved, rate),
+        moved, var = estimates(f, bc.proposal, keys, mode, chol)
+        return (Message(est, moved, rate, jnp.median(var)),
                 before._replace(pending=Pending(keys, est, mode, chol, moved)))
 
     def client_update(bc: Broadcast, client: ClientState, data, mask, key, index):
@@ -459,7 +463,7 @@ def make_trio(log_lik: Callable, log_prior: Callable, local_dim: int, settings: 
         rejects), and after the first round nothing far above what the client sent before: a
         current value within ``band`` of its last one (a refresh changes it by the estimate's
         noise), a proposal at most ``band`` above its largest, ``band`` the larger of 100 nats
-        and ten times the spread of its last values."""
+        and ten times the spread of its last values; a variance in ``[0, LIMIT]``."""
         cur, new = msgs.current, msgs.proposed
         ok = ~(jnp.isnan(cur) | jnp.isnan(new) | jnp.isposinf(cur) | jnp.isposinf(new))
         ok &= (jnp.abs(jnp.where(jnp.isneginf(cur), 0.0, cur)) <= LIMIT) & (new <= LIMIT)
@@ -470,7 +474,8 @@ def make_trio(log_lik: Callable, log_prior: Callable, local_dim: int, settings: 
         near = (jnp.abs(cur - last) <= band) | ~jnp.isfinite(last)
         below = (new <= top + band) | jnp.isnan(top)
         ok &= state.start | (near & below)
-        return jnp.all(ok, axis=1)
+        var = msgs.variance  # a diagnostic, but a client that sends nonsense is refused whole
+        return jnp.all(ok, axis=1) & (var >= 0) & (var <= LIMIT)
 
     def broadcast(state: ServerState) -> Broadcast:
         return Broadcast(state.theta, state.proposal, state.ancestors, state.beta, state.start)

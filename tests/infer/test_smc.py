@@ -7,6 +7,7 @@ chooses; faults; the ArviZ export; and bad input, refused before any client comp
 from __future__ import annotations
 
 import dataclasses
+import warnings
 
 import jax
 import numpy as np
@@ -76,12 +77,13 @@ def test_random_intercepts_reach_the_exact_posterior(intercepts):
     assert h["done"][-1] == 1 and not np.any(h["done"][:-1])
     assert np.all(h["rejected"] == 0) and out.rejected == []
     K = clients.num_clients
-    # per round each client sends 2 N log-likelihoods (and its refreshes' acceptance rate) and
-    # is sent particles, proposals, ancestors and the temperature: nothing else leaves the
-    # server or a client
-    assert np.all(h["bytes_up"] == K * (2 * N * 8 + 8))
+    # per round each client sends 2 N log-likelihoods (and its refreshes' acceptance rate and
+    # its estimates' median variance) and is sent particles, proposals, ancestors and the
+    # temperature: nothing else leaves the server or a client
+    assert np.all(h["bytes_up"] == K * (2 * N * 8 + 2 * 8))
     assert np.all(h["bytes_down"] == K * (2 * N * 2 * 8 + N * 4 + 8 + 1))
     assert np.all(h["refreshed"] > 0.99)  # exact estimates: every refresh is accepted
+    assert np.all(h["local_sd"] < 1e-5) and out.summary()["local_sd"] < 1e-5  # and no noise
     # the islands are the chains of the ArviZ export, the rounds' diagnostics beside them
     tree = out.to_arviz()
     assert tree.posterior["mu"].shape == (ISLANDS, N // ISLANDS)
@@ -130,6 +132,7 @@ def test_no_local_sites_from_a_start_that_is_off(linear):
     assert out.history["stage"][-1] >= 2  # it had to temper
     _within_mc_error(out, mean, sd)
     assert np.all(out.history["refreshed"] == 1.0)  # nothing to refresh
+    assert np.all(out.history["local_sd"] == 0.0)  # exact log-likelihoods
     # an answer the check passes is refined by importance, as before
     exact = res.refine(jax.random.key(1), clients, progress_bar=False)
     assert isinstance(exact, ImportanceResult) and "importance" in exact.chosen
@@ -151,6 +154,32 @@ def test_float32_without_local_sites():
                          islands=ISLANDS).run(jax.random.key(1), clients, progress_bar=False)
         assert out.particles.dtype == np.float32 and out.reached
         _within_mc_error(out, mean, sd, slack=0.05)
+
+
+def test_noisy_local_estimates_are_measured_and_warned_about(monkeypatch):
+    """A logistic random intercept's marginal likelihood has no closed form: the clients'
+    estimates are noisy (a little: a one-dimensional Laplace fit is close), ``local_sd``
+    measures it (exactly 0 for the Gaussian intercepts above), and the run warns where it is
+    above ``LOCAL_SD_WARN`` (lowered here to fire on a small task)."""
+    import fedppl.infer.smc as smc_mod
+    from tests.conftest import random_intercepts_logit
+
+    rng = np.random.default_rng(1)
+    parts = [(np.repeat([0, 1], 6), (rng.uniform(size=12) < 0.6).astype(float))
+             for _ in range(6)]
+    clients = fedppl.Clients.from_list(parts)
+    guide = fedppl.PVIGuide(random_intercepts_logit, ("mu", "tau"), family="fullrank")
+    guide.setup(*clients.client(0), n_groups=2)
+    smc = fedppl.SMC(random_intercepts_logit, guide, guide.prior, num_particles=100,
+                     islands=5, local_draws=8)
+    monkeypatch.setattr(smc_mod, "LOCAL_SD_WARN", 1e-4)
+    with pytest.warns(UserWarning, match="estimates of their marginal likelihoods are noisy"):
+        out = smc.run(jax.random.key(0), clients, 2, progress_bar=False, n_groups=2)
+    assert np.all((out.history["local_sd"] > 1e-4) & (out.history["local_sd"] < 1.0))
+    monkeypatch.setattr(smc_mod, "LOCAL_SD_WARN", 1.0)  # the default: quiet here
+    with warnings.catch_warnings():
+        warnings.filterwarnings("error", message=".*noisy.*")
+        smc.run(jax.random.key(0), clients, 2, progress_bar=False, warn=True, n_groups=2)
 
 
 def test_a_client_whose_messages_are_corrupted_voids_the_round_and_nothing_else(linear):
