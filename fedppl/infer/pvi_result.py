@@ -149,6 +149,7 @@ class PVIResult(Result):
         self._refuse_private("refine")
         sampler = set(inspect.signature(SMC).parameters) - {"model", "guide", "start"}
         warn = kwargs.pop("warn", True)
+        stop = kwargs.pop("stop", True)  # the sampler's: False runs all its rounds
         own = {k: kwargs.pop(k) for k in list(kwargs) if k in SETTINGS}
         smc = {k: kwargs.pop(k) for k in list(kwargs) if k in sampler}
         why = ""
@@ -170,7 +171,7 @@ class PVIResult(Result):
             return self._importance(rng_key, clients, num_rounds or 10, num_draws, progress_bar,
                                     {**kwargs, **own, "warn": warn})
         result = self._smc(rng_key, clients, num_rounds or 50, progress_bar,
-                           {**kwargs, **smc, "warn": warn})
+                           {**kwargs, **smc, "warn": warn, "stop": stop})
         if why:
             result.chosen = f"{why}: the SMC sampler"
             _say(progress_bar, f"refine: {result.chosen}")
@@ -196,12 +197,12 @@ class PVIResult(Result):
         from fedppl.infer.smc import SMC
 
         names = set(inspect.signature(SMC).parameters) - {"model", "guide", "start"}
-        warn = bool(kwargs.pop("warn", True))
+        warn, stop = bool(kwargs.pop("warn", True)), bool(kwargs.pop("stop", True))
         settings = {k: kwargs.pop(k) for k in list(kwargs) if k in names}
         settings.setdefault("local", self.local)
         method = SMC(self.guide.model, self.guide, self.q, **settings)
         return method.run(rng_key, clients, num_rounds, progress_bar=progress_bar, warn=warn,
-                          **self._model_kwargs(kwargs))
+                          stop=stop, **self._model_kwargs(kwargs))
 
     def _importance(self, rng_key, clients, num_rounds, num_draws, progress_bar, kwargs):
         from fedppl.infer.importance import SETTINGS, Importance

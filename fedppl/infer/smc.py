@@ -51,7 +51,15 @@ from fedppl.algorithms import smc as alg
 from fedppl.clients import Clients
 from fedppl.families import gaussian as g
 from fedppl.guides.pvi_guide import PVIGuide
-from fedppl.infer.base import FederatedMethod, Plan, Result, RunState, StopRule, shared
+from fedppl.infer.base import (
+    FederatedMethod,
+    Plan,
+    Result,
+    RunState,
+    StopRule,
+    check_rounds,
+    shared,
+)
 from fedppl.infer.importance import set_up_on
 from fedppl.model_call import positional
 
@@ -306,11 +314,17 @@ class SMC(FederatedMethod):
 
     def run(self, rng_key: Array, clients: Clients, num_rounds: int = 50, *,
             progress_bar: bool = True, runtime: Any = None, warn: bool = True,
-            **model_kwargs: Any) -> SMCResult:
+            stop: bool = True, **model_kwargs: Any) -> SMCResult:
         """``init``, then rounds until the particles have reached temperature 1 and renewed
-        there, or ``num_rounds`` (default 50); warns when the run ended before that."""
-        result = super().run(rng_key, clients, num_rounds, progress_bar=progress_bar,
-                             runtime=runtime, **model_kwargs)
+        there, or ``num_rounds`` (default 50; all of them with ``stop=False``, to go on moving
+        the particles past the stopping rule); warns when the run ended before temperature 1,
+        or with noisy local estimates (``local_sd`` above :data:`LOCAL_SD_WARN`)."""
+        if stop:
+            result = super().run(rng_key, clients, num_rounds, progress_bar=progress_bar,
+                                 runtime=runtime, **model_kwargs)
+        else:
+            state = self.init(rng_key, clients, runtime=runtime, **model_kwargs)
+            result = self._loop(state, check_rounds(num_rounds), progress_bar, None)
         assert isinstance(result, SMCResult)
         if warn and not (result.reached and result.renewed >= self.final_renew):
             warnings.warn(
@@ -327,7 +341,8 @@ class SMC(FederatedMethod):
                 "rarely accepted, so the particles mix slowly and mcse() can understate their "
                 "error several times over (on the hierarchical benchmark, 0.06 sd stated for "
                 "0.55 sd actual). Raise local_draws (the sd falls like one over its square "
-                "root), or run past the stopping rule and compare the moments across rounds",
+                "root), or run past the stopping rule (stop=False) and compare the moments "
+                "across rounds",
                 UserWarning, stacklevel=2)
         return result
 

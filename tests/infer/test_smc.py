@@ -133,6 +133,13 @@ def test_no_local_sites_from_a_start_that_is_off(linear):
     _within_mc_error(out, mean, sd)
     assert np.all(out.history["refreshed"] == 1.0)  # nothing to refresh
     assert np.all(out.history["local_sd"] == 0.0)  # exact log-likelihoods
+    # stop=False: every round asked for, past the stopping rule (which fired above)
+    assert out.num_rounds < 25
+    longer = off.refine(jax.random.key(1), clients, 25, num_particles=N, islands=ISLANDS,
+                        stop=False, progress_bar=False)
+    assert longer.num_rounds == 25 and longer.stopped is None
+    np.testing.assert_array_equal(longer.history["beta"][:out.num_rounds], out.history["beta"])
+    _within_mc_error(longer, mean, sd)
     # an answer the check passes is refined by importance, as before
     exact = res.refine(jax.random.key(1), clients, progress_bar=False)
     assert isinstance(exact, ImportanceResult) and "importance" in exact.chosen
