@@ -24,7 +24,7 @@ round here so that every round's errors are recorded:
 Run::
 
     python benchmarks/smc_hierarchical.py                       # seed 0, from PVI
-    python benchmarks/smc_hierarchical.py --seeds 3 --starts pvi,prior,ep
+    python benchmarks/smc_hierarchical.py --seeds 3 --starts pvi,prior,ep --past-done
     python benchmarks/smc_hierarchical.py --quick                # a smoke run
 
 Prints a table and writes JSON to ``--out`` (default
