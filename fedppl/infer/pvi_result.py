@@ -170,8 +170,8 @@ class PVIResult(Result):
         if method == "importance":
             return self._importance(rng_key, clients, num_rounds or 10, num_draws, progress_bar,
                                     {**kwargs, **own, "warn": warn})
-        result = self._smc(rng_key, clients, num_rounds or 50, progress_bar,
-                           {**kwargs, **smc, "warn": warn, "stop": stop})
+        result = self._smc(rng_key, clients, num_rounds or 50, progress_bar, smc, kwargs,
+                           warn=bool(warn), stop=bool(stop))
         if why:
             result.chosen = f"{why}: the SMC sampler"
             _say(progress_bar, f"refine: {result.chosen}")
@@ -191,16 +191,13 @@ class PVIResult(Result):
         model_kwargs.update(kwargs)
         return model_kwargs
 
-    def _smc(self, rng_key, clients, num_rounds, progress_bar, kwargs):
-        import inspect
-
+    def _smc(self, rng_key, clients, num_rounds, progress_bar, settings, kwargs, *, warn,
+             stop):
+        """:class:`~fedppl.infer.smc.SMC` from ``q`` with ``settings`` (split from the model's
+        ``kwargs`` by ``refine``)."""
         from fedppl.infer.smc import SMC
 
-        names = set(inspect.signature(SMC).parameters) - {"model", "guide", "start"}
-        warn, stop = bool(kwargs.pop("warn", True)), bool(kwargs.pop("stop", True))
-        settings = {k: kwargs.pop(k) for k in list(kwargs) if k in names}
-        settings.setdefault("local", self.local)
-        method = SMC(self.guide.model, self.guide, self.q, **settings)
+        method = SMC(self.guide.model, self.guide, self.q, **{"local": self.local, **settings})
         return method.run(rng_key, clients, num_rounds, progress_bar=progress_bar, warn=warn,
                           stop=stop, **self._model_kwargs(kwargs))
 
