@@ -395,7 +395,8 @@ def set_up_on(guide: PVIGuide, start: g.Gaussian, model: Callable, clients: Clie
               model_kwargs: dict, who: str):
     """``guide`` set up on ``clients`` and checked against the answer ``start`` it fitted,
     before any client computes (the clients' shapes, their data, no subsampling plate, the
-    global dimension): the guide's layout."""
+    global dimension): the guide's layout. A guide with a ``check_clients(clients,
+    model_kwargs, who)`` method (the Pyro port's) checks the data and the plates itself."""
     from fedppl.infer.pvi_plan import check_clients
 
     if guide.signature is not None:
@@ -405,8 +406,12 @@ def set_up_on(guide: PVIGuide, start: g.Gaussian, model: Callable, clients: Clie
             raise ValueError(f"the clients' arrays have trailing shapes {got}, the answer was "
                              f"fitted on {want}: these are not the run's clients")
     guide.setup(*clients.client(0), **model_kwargs)
-    check_clients(guide, clients, model_kwargs)
-    refuse_subsampling(model, clients.client(0), model_kwargs, who)
+    own = getattr(guide, "check_clients", None)
+    if own is not None:  # a guide over another PPL's model (fedppl.pyro) traces it itself
+        own(clients, model_kwargs, who)
+    else:
+        check_clients(guide, clients, model_kwargs)
+        refuse_subsampling(model, clients.client(0), model_kwargs, who)
     layout = guide.layout_or_raise()
     if layout.dim != start.nat1.shape[-1]:
         raise ValueError(f"with these clients the model has {layout.dim} global coordinates, "

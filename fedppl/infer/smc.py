@@ -271,7 +271,7 @@ class SMC(FederatedMethod):
         guide = _check(self.guide, self.start, self.model, clients, model_kwargs)
         layout, loc = guide.layout_or_raise(), guide.local_layout
         D, d = layout.dim, 0 if loc is None else loc.dim
-        dtype = layout.dtype
+        dtype = guide.prior_or_raise().nat1.dtype  # the layout's, in JAX (also a Pyro guide's)
         if self.start.nat1.dtype != dtype:
             raise ValueError(f"the start is {self.start.nat1.dtype} and the guide computes in "
                              f"{dtype}: fit the start in the same precision")

@@ -27,11 +27,12 @@ from typing import Any
 
 import numpy as np
 import torch
+from pyro.poutine.util import site_is_subsample
 
 from fedppl.clients import Clients
 from fedppl.pyro.sites import cast_floats, nodes, original, trace
 
-__all__ = ["check_clients"]
+__all__ = ["check_clients", "refuse_subsampling"]
 
 
 def check_clients(guide: Any, clients: Clients, model_kwargs: dict) -> None:
@@ -72,6 +73,21 @@ def check_clients(guide: Any, clients: Clients, model_kwargs: dict) -> None:
                     f"{clients.names[0]}; every client's private guide must have one shape. Give "
                     "the model the number of groups as a static keyword argument (the largest "
                     "over clients; groups without data keep their prior)")
+
+
+def refuse_subsampling(model: Callable, data: tuple, model_kwargs: dict,
+                       who: str = "the check") -> None:
+    """A plate that subsamples gives a client's log-likelihood at a draw only as a minibatch
+    estimate: ``who`` refuses it (the core's
+    :func:`fedppl.infer.importance.refuse_subsampling`, traced with ``pyro.poutine``)."""
+    for name, site in nodes(trace(model, data, model_kwargs)).items():
+        if not site_is_subsample(site):
+            continue
+        size, batch = site["fn"].size, site["fn"].subsample_size
+        if batch is not None and batch < size:
+            raise ValueError(f"the model subsamples plate '{name}' ({batch} of {size} rows): {who} "
+                             "needs each client's exact log-likelihood at every draw. Run "
+                             f"{who} with the same model without subsample_size")
 
 
 def _observations_in_support(model: Callable, data: tuple, model_kwargs: dict) -> bool:

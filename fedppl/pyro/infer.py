@@ -65,7 +65,7 @@ from fedppl.pyro.bridge import to_jax, to_torch
 from fedppl.pyro.checks import check_clients
 from fedppl.pyro.guides.pvi_guide import PVIGuide
 from fedppl.pyro.handlers.client import client
-from fedppl.pyro.result import PVIResult, as_generator
+from fedppl.pyro.result import PVIResult, jax_key
 from fedppl.pyro.sites import cast_floats, curvature
 
 __all__ = ["PVI", "GlobalVI", "PVIResult"]
@@ -194,12 +194,6 @@ def _torch_result(state: RunState, history: dict[str, np.ndarray],
                      history=history, client_names=out.client_names, rejected=out.rejected,
                      unconverged=out.unconverged, local=to_torch(out.local),
                      prior_factor=to_torch(out.prior_factor), model=out.model)
-
-
-def jax_key(rng_key: Any) -> jax.Array:
-    """A JAX key drawn from (a copy of) the ``torch.Generator`` ``rng_key``."""
-    gen = as_generator(rng_key)
-    return jax.random.key(int(torch.randint(2**31 - 1, (1,), generator=gen)))
 
 
 def as_optax(optimizer: Any) -> optax.GradientTransformation:

@@ -216,8 +216,11 @@ class SiteLayout:
         return {s.name: theta[..., s.slice].reshape(lead + s.unconstrained_shape)
                 for s in self.sites}
 
-    def constrain(self, theta: Tensor) -> dict[str, Tensor]:
-        """Constrained per-site values (in the model's support) from ``theta``."""
+    def constrain(self, theta: Any) -> dict[str, Tensor]:
+        """Constrained per-site values (in the model's support) from ``theta`` (a tensor, or a
+        JAX or NumPy array: the core's results' draws)."""
+        if not isinstance(theta, Tensor):
+            theta = torch.as_tensor(np.array(theta))
         values = self.unpack(theta).values()
         return {s.name: s.transform(u) for s, u in zip(self.sites, values, strict=True)}
 

@@ -55,12 +55,6 @@ def test_result_has_the_numpyro_results_shape(logistic_run):
     assert res.to_json()["summary"]["rounds"] == 3
 
 
-def test_check_says_it_is_not_there_yet(logistic_run):
-    pair, res = logistic_run
-    with pytest.raises(NotImplementedError, match=r"fedppl\.PVI"):
-        res.check(key(), pair.clients)
-
-
 def test_to_arviz_has_a_client_dimension(logistic_run):
     pytest.importorskip("arviz_base")
     _, res = logistic_run

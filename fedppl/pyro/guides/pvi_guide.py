@@ -5,10 +5,12 @@ What the core asks of a guide (``prior``, ``prior_correction``, ``diag``, ``clie
 ``structure``, ``init_local``, ``params_from``/``q_from``) is the core's, in JAX; what touches Pyro
 is this class's: :meth:`setup` traces the model with ``pyro.poutine`` (the layout of the global
 and local sites, the prior's Gaussian base and its correction, :mod:`fedppl.pyro.sites`),
-:meth:`log_lik_fn` gives the core's local steps the client's log density, gradient and Hessian
-from torch (:mod:`fedppl.pyro.algorithms.terms`), :meth:`base_draws` gives them torch's fixed
-draws, and the posterior is read in torch (:meth:`posterior`, :meth:`sample`). As a Pyro guide
-its parameters are q's mean and raw scale (``pvi_loc``, ``pvi_scale_raw``, in Pyro's param store).
+:meth:`log_lik_fn` gives the core's local steps, check and sampler the client's log density,
+gradient and Hessian from torch (:mod:`fedppl.pyro.algorithms.terms`), :meth:`check_clients`
+checks the clients before them (:mod:`fedppl.pyro.checks`), :meth:`base_draws` gives them
+torch's fixed draws, and the posterior is read in torch (:meth:`posterior`, :meth:`sample`). As
+a Pyro guide its parameters are q's mean and raw scale (``pvi_loc``, ``pvi_scale_raw``, in Pyro's
+param store).
 
 Example::
 
@@ -96,6 +98,16 @@ class PVIGuide(core.PVIGuide):
         """The client's ``(phi, seed) -> log p(y_k, z_k | theta)`` in JAX, evaluated (with its
         gradient and Hessian) by torch on the Pyro model."""
         return terms.log_lik_fn(model, self, data, mask)
+
+    def check_clients(self, clients: Any, model_kwargs: dict, who: str = "the run") -> None:
+        """The clients against the Pyro model before a run that needs each client's exact
+        log-likelihood (the core's check and sampler): every observation in its support, local
+        sites of one shape, no subsampling plate (:mod:`fedppl.pyro.checks`)."""
+        from fedppl.pyro.checks import check_clients, refuse_subsampling
+
+        check_clients(self, clients, model_kwargs)
+        data = cast_floats(clients.client(0), self.layout_or_raise().dtype)
+        refuse_subsampling(self.model, data, model_kwargs, who)
 
     def base_draws(self, num_draws: int, dim: int, dtype: Any, seed: int = 0) -> Any:
         """The natural-gradient step's fixed draws from torch's generator
