@@ -482,13 +482,17 @@ class ExactTilted(NamedTuple):
     def moments(self, cavity: g.Gaussian, q: g.Gaussian, data: tuple, mask: Array,
                 rng_key: Array, alpha: float = 1.0, local: g.Conditional | None = None
                 ) -> TiltedMoments:
-        layout = self.guide.layout_or_raise()
-        lik = conjugate.likelihood_terms(client(self.model, mask=mask), layout, *data)
+        lik = self.terms(data, mask)
         target = cast(g.FullGaussian, g.product(g.to_full(cavity),
                                                 g.scale(conjugate.likelihood_factor(lik), alpha)))
         tilted = g.project_diag(target) if self.guide.diag else target
         nan = jnp.full((), jnp.nan, target.nat1.dtype)
         return TiltedMoments(tilted, nan, nan, nan, jnp.asarray(0))
+
+    def terms(self, data: tuple, mask: Array) -> conjugate.GaussianLikelihood:
+        """The client's Gaussian likelihood terms, read from the model."""
+        layout = self.guide.layout_or_raise()
+        return conjugate.likelihood_terms(client(self.model, mask=mask), layout, *data)
 
     def __call__(self, q_cavity, q, data, mask, rng_key) -> LocalResult:
         m = self.moments(q_cavity, q, data, mask, rng_key)

@@ -261,7 +261,7 @@ class EP(FederatedMethod):
               factors: g.Gaussian | None = None, resume: PVIResult | None = None,
               **model_kwargs: Any) -> Plan:
         model = solvers.bind(self.model, model_kwargs)
-        guide = set_up(self.guide, clients, model_kwargs)
+        guide = self._set_up(clients, model_kwargs)
         solver = self._tilted_solver(model, guide, prior_share(guide, clients.num_clients),
                                      clients)
         K = clients.num_clients
@@ -273,6 +273,10 @@ class EP(FederatedMethod):
         static = ep_static(self, guide, model, solver, clients, rho=rho)
         return Plan(trio, self.schedule, server, cstates, ep_record, ep_result,
                     log=start_log(K), rng_key=rng_key, static=static)
+
+    def _set_up(self, clients: Clients, model_kwargs: dict) -> PVIGuide:
+        """The guide set up on the clients, checked against the model (a copy the run keeps)."""
+        return set_up(self.guide, clients, model_kwargs)
 
     # what the PVI family sends and refuses (fedppl.infer.variational)
     _message_bytes = staticmethod(message_bytes)

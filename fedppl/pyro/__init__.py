@@ -35,7 +35,9 @@ except ImportError as _err:  # pragma: no cover - depends on the environment
                       "pip install 'fedppl[pyro]'") from _err
 
 from fedppl.pyro import families, handlers
+from fedppl.pyro.ep import EP, EPResult
 from fedppl.pyro.guides import CAVI, PVIGuide
 from fedppl.pyro.infer import PVI, GlobalVI, PVIResult
 
-__all__ = ["PVI", "GlobalVI", "PVIResult", "PVIGuide", "CAVI", "handlers", "families"]
+__all__ = ["PVI", "GlobalVI", "EP", "PVIResult", "EPResult", "PVIGuide", "CAVI", "handlers",
+           "families"]
