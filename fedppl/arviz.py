@@ -164,7 +164,8 @@ def to_inference_data(result: PVIResult, rng_key=None, num_samples: int = 1000):
     num_samples = check_num_samples(num_samples)
     rng_key = jax.random.key(0) if rng_key is None else rng_key
     # every client's local sites, drawn given the same draws of the global ones
-    draws = result.guide.sample(rng_key, result.q, num_samples, result.local)
+    draws = (result.sample(rng_key, num_samples) if result.local is None
+             else result.sample_clients(rng_key, num_samples))
     nat1 = np.asarray(result.factors.nat1)
     full = isinstance(result.factors, g.FullGaussian)
     constant = {"factor_nat1": nat1, "factor_prec": np.asarray(result.factors.prec)}

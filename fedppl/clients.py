@@ -44,6 +44,13 @@ class Clients:
             raise ValueError("there are no clients")
         if not self.names:
             object.__setattr__(self, "names", tuple(f"client {k}" for k in range(len(self.data))))
+        self.check()
+
+    def check(self) -> None:
+        """Every client's arrays: one arity, one number of rows, numbers, finite, client 0's
+        trailing shapes; a ``ValueError`` or ``TypeError`` naming the client otherwise. Run at
+        construction and again when a run starts (arrays can be changed in place after
+        partitioning)."""
         arity = len(self.data[0])
         for k, arrays in enumerate(self.data):
             who = self.names[k]

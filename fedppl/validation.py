@@ -17,6 +17,9 @@ Example::
 
 from __future__ import annotations
 
+import os
+import sys
+import warnings
 from collections.abc import Sequence
 from typing import Any
 
@@ -25,7 +28,7 @@ import jax.numpy as jnp
 import numpy as np
 
 __all__ = ["pvi_settings", "positive_int", "positive", "fraction", "one_of", "optimizer", "rng_key",
-           "labels_in", "inputs_2d"]
+           "labels_in", "inputs_2d", "indices_in_range", "warn"]
 
 
 def positive_int(value: Any, name: str, minimum: int = 1) -> int:
@@ -135,3 +138,51 @@ def pvi_settings(damping: float, conjugate: Any, solver: str, solvers: Sequence[
     if not max_divergence > 0:  # also refuses NaN
         raise ValueError(f"max_divergence must be positive (nats per dimension), got "
                          f"{max_divergence}")
+
+
+def indices_in_range(model: Any, data: tuple, model_kwargs: dict, trace: dict, who: str) -> None:
+    """A ``ValueError`` naming ``who``, the array and its plate when the model, run on ``data``
+    at the latent values of ``trace`` (a trace of it on the same data), indexes an array out of
+    range (``a[g]`` with a group id at or past ``a``'s plate size). JAX clamps such an index
+    silently, merging the last group with the ones past it; the check runs the model's log
+    density once under ``jax.experimental.checkify``'s index checks. Data without integer
+    arrays cannot index, and are not run."""
+    from jax.experimental import checkify
+    from numpyro.infer.util import log_density
+
+    if not any(jnp.issubdtype(jnp.result_type(a), jnp.integer) for a in data):
+        return
+    latent = {name: site["value"] for name, site in trace.items()
+              if site["type"] == "sample" and not site["is_observed"]}
+
+    def density(values, arrays):
+        return log_density(model, arrays, model_kwargs, values)[0]
+
+    err, _ = checkify.checkify(density, errors=checkify.index_checks)(latent, tuple(data))
+    bad = err.get_exception()
+    if bad is None:
+        return
+    shape = tuple(getattr(bad, "operand_shape", ()))
+    sites = [f"'{name}'" + "".join(f" in plate '{f.name}' of size {f.size}"
+                                   for f in site["cond_indep_stack"])
+             for name, site in trace.items() if site["type"] == "sample"
+             and not site["is_observed"] and tuple(jnp.shape(site["value"])) == shape]
+    of = f" (the latent site {' or '.join(sites)})" if sites else ""
+    raise ValueError(
+        f"{who}: the model indexes an array out of range{of}: {str(err.get()).strip()} JAX "
+        "would clamp the index silently, merging groups; number groups from 0 to the plate's "
+        "size minus one, and give the plate the largest size over clients (a static keyword "
+        "argument such as n_groups)")
+
+
+_PACKAGE = os.path.dirname(os.path.abspath(__file__))
+
+
+def warn(message: str, category: type[Warning] = UserWarning) -> None:
+    """``warnings.warn`` located at the caller's first line outside fedppl (the user's line that
+    started the run, rather than the line inside fedppl that noticed; Python 3.11 has no
+    ``skip_file_prefixes``)."""
+    level, frame = 2, sys._getframe(1)
+    while frame is not None and os.path.abspath(frame.f_code.co_filename).startswith(_PACKAGE):
+        level, frame = level + 1, frame.f_back
+    warnings.warn(message, category, stacklevel=level)

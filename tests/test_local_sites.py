@@ -120,6 +120,13 @@ def test_groups_a_client_holds_no_data_for_change_nothing():
     own = unconstrained_moments(res, client=2)["a"]
     np.testing.assert_allclose(own[0][2], mean[5], atol=1e-6)
     np.testing.assert_allclose(own[1][2], np.sqrt(cov[5, 5]), atol=1e-6)
+    # the groups it holds no data for: a new group's posterior, N(mu, TAU) given each draw of
+    # mu, so mean E[mu] and variance Var(mu) + TAU^2 (not the N(0, 1) the local step used)
+    draws = np.asarray(res.sample(jax.random.key(2), 20000, client=2)["a"])
+    others = np.delete(draws, 2, axis=1)
+    sd = np.sqrt(cov[0, 0] + TAU**2)
+    assert np.all(np.abs(others.mean(0) - mean[0]) < 4 * sd / np.sqrt(20000))
+    assert np.all(np.abs(others.std(0) / sd - 1) < 4 / np.sqrt(2 * 20000))
 
 
 def test_independent_local_guide_understates_global_uncertainty():

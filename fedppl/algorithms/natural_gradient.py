@@ -80,7 +80,7 @@ from fedppl.handlers.client import client
 from fedppl.sites import cast_floats
 
 __all__ = ["LocalResult", "NaturalGradientSolver", "PriorSolver", "base_draws",
-           "expected_log_lik", "log_lik_fn", "round_off"]
+           "expected_log_lik", "held_coordinates", "log_lik_fn", "round_off"]
 
 STEP_HALVINGS = 11
 MIN_STEP = 2.0**-20  # a solve whose step size fell below this stops, reported as not converged
@@ -162,12 +162,8 @@ def log_lik_fn(model: Callable, guide: PVIGuide, data: tuple, mask: Array
     def observed(phi, seed):
         return _observed(trace(phi, seed), dtype)
 
-    # which local coordinates the data touch: the observed term's gradient at two points
-    d, dtype = loc.dim, layout.dtype
-    probe = [jnp.concatenate([jnp.full(D, c, dtype), c + 0.05 * jnp.arange(d, dtype=dtype)])
-             for c in (0.1, -0.3)]
-    grads = [jnp.abs(jax.grad(observed)(p, 0)[D:]) for p in probe]
-    touched = sum(grads[1:], grads[0]) > 0
+    dtype = layout.dtype
+    touched = _touched(observed, D, loc.dim, dtype)
 
     def log_lik(phi: Array, seed: Array | int = 0) -> Array:
         tr = trace(phi, seed)
@@ -189,6 +185,33 @@ def log_lik_fn(model: Callable, guide: PVIGuide, data: tuple, mask: Array
         return total.astype(dtype)
 
     return log_lik
+
+
+def held_coordinates(model: Callable, guide: PVIGuide, data: tuple, mask: Array) -> Array:
+    """``(d,)`` booleans over the client's local coordinates: True where its observations
+    depend on them (the groups it holds data for). :func:`log_lik_fn` integrates the others
+    out; a result draws them from the model's prior given the global sites."""
+    layout, loc = guide.layout_or_raise(), guide.local_layout
+    if loc is None:
+        raise ValueError("the model has no local sites")
+    D, dtype = layout.dim, layout.dtype
+    data = cast_floats(data, dtype)
+
+    def observed(phi, seed):
+        values = layout.constrain(phi[:D])
+        values.update(loc.constrain(phi[D:]))
+        return _observed(_trace(client(model, mask=mask, draw=seed), values, data), dtype)
+
+    return _touched(observed, D, loc.dim, dtype)
+
+
+def _touched(observed: Callable[[Array, int], Array], D: int, d: int, dtype) -> Array:
+    """Which of the ``d`` local coordinates after the ``D`` global ones the observed term
+    depends on: its gradient there at two points."""
+    probe = [jnp.concatenate([jnp.full(D, c, dtype), c + 0.05 * jnp.arange(d, dtype=dtype)])
+             for c in (0.1, -0.3)]
+    grads = [jnp.abs(jax.grad(observed)(p, 0)[D:]) for p in probe]
+    return sum(grads[1:], grads[0]) > 0
 
 
 def data_dtype(data: tuple):

@@ -139,6 +139,27 @@ class PVIGuide:
                                                      kwargs)
         return self
 
+    def roles(self) -> dict[str, list[str]]:
+        """The latent sites this guide treats as global (in ``q``, sent as factors) and as
+        local (each client's own, never sent), as :meth:`setup` found them."""
+        layout = self.layout_or_raise()
+        local = [] if self.local_layout is None else list(self.local_layout.names)
+        return {"global_sites": list(layout.names), "local_sites": local}
+
+    def describe(self) -> str:
+        """One line on the sites' roles, for a run's first progress line."""
+        def listed(layout: SiteLayout) -> str:
+            return ", ".join(s.name + (f" {list(s.shape)}" if s.shape else "")
+                             for s in layout.sites)
+
+        layout = self.layout_or_raise()
+        line = f"global sites {listed(layout)}"
+        if self.local_layout is None:
+            default = self.global_sites is None and self.local_sites is None
+            return line + (" (every latent site: the default; name global_sites or "
+                           "local_sites to keep sites at each client)" if default else "")
+        return line + f"; local to each client: {listed(self.local_layout)}"
+
     def structure(self) -> Array | None:
         """For ``family="fullrank", local="independent"``: the precision entries a client's
         joint may have (the global and local blocks, no coupling); else None."""
@@ -260,6 +281,56 @@ class PVIGuide:
                 z = jax.vmap(_sample_conditional, (0, 0, None), 1)(keys, local, theta)
             out.update(self.local_layout.constrain(z))
         return out
+
+
+    def unheld_from_prior(self, rng_key: Array, draws: dict[str, Array], held: Array,
+                          model: Callable, data: tuple) -> dict[str, Array]:
+        """``draws`` (one client's, ``{name: (S, ...)}``; or several clients' with their axis
+        after the draw axis and ``held`` stacked the same way) with the local coordinates a
+        client holds no data for (``held`` False) drawn from the model's prior given each
+        draw's other sites: p(z_j | theta), what the pooled posterior gives a group without
+        data. The model runs on ``data`` (one client's arrays) for each draw."""
+        loc = self.local_layout
+        if loc is None:
+            raise ValueError("the model has no local sites")
+        if held.ndim == 2:  # several clients
+            keys = jax.random.split(rng_key, held.shape[0])
+            local = {s.name: draws[s.name] for s in loc.sites}
+            shared = {k: v for k, v in draws.items() if k not in local}
+            filled = jax.vmap(lambda key, z, h: self.unheld_from_prior(
+                key, {**shared, **z}, h, model, data), (0, 1, 0), 1)(keys, local, held)
+            return {**draws, **{s.name: filled[s.name] for s in loc.sites}}
+        masks = {}
+        for s in loc.sites:
+            h = held[s.slice].reshape(s.unconstrained_shape)
+            masks[s.name] = h if s.unconstrained_shape == s.shape else jnp.any(h)
+        num = jax.tree_util.tree_leaves(draws)[0].shape[0]
+        keys = jax.random.split(rng_key, num)
+        fill = jax.jit(jax.vmap(lambda key, values, masks, data: _fill(key, values, masks,
+                                                                        model, data),
+                                (0, 0, None, None)))
+        filled = fill(keys, draws, masks, tuple(jnp.asarray(a) for a in data))
+        return {**draws, **filled}
+
+
+def _fill(key: Array, values: dict[str, Array], masks: dict[str, Array], model: Callable,
+          data: tuple) -> dict[str, Array]:
+    """One draw's local sites where ``masks`` is False replaced by the model's prior draws
+    given the other sites (``values``)."""
+    from numpyro import handlers
+
+    def value(msg):
+        if msg["type"] != "sample" or msg["is_observed"]:
+            return None
+        if msg["name"] in masks:
+            prior = msg["fn"](rng_key=msg["kwargs"]["rng_key"],
+                              sample_shape=msg["kwargs"].get("sample_shape", ()))
+            return jnp.where(masks[msg["name"]], values[msg["name"]], prior)
+        return values.get(msg["name"])
+
+    tr = handlers.trace(handlers.substitute(handlers.seed(model, key), substitute_fn=value)
+                        ).get_trace(*data)
+    return {name: tr[name]["value"] for name in masks}
 
 
 def _sample_conditional(key: Array, c: g.Conditional, theta: Array) -> Array:

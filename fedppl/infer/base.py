@@ -148,7 +148,8 @@ class Plan(NamedTuple):
     ``names``, the method's accumulators at the start (``log``), the key the rounds start from,
     the runtime's ``round_fn`` (set by ``init``), whether the server holds the data, and the
     method's own static part (``static``: PVI's guide as set up, its compiled ELBO, a private
-    run's calibration...)."""
+    run's calibration...) and a line saying what the run fits (``about``: the first line of its
+    progress)."""
 
     trio: Trio
     schedule: str
@@ -162,6 +163,7 @@ class Plan(NamedTuple):
     round_fn: Callable | None = None
     data_at_server: bool = True
     static: Any = None
+    about: str = ""
 
 
 class RunLog(NamedTuple):
@@ -389,6 +391,7 @@ class FederatedMethod:
             raise TypeError(f"clients must be a fedppl.Clients (see fedppl.partition), got "
                             f"{type(clients).__name__}")
         rng_key = validation.rng_key(rng_key)
+        clients.check()  # again: arrays may have changed in place since partitioning
         self._check_clients_per_round(clients.num_clients)
         for old in ("runtime", "data_at_server"):  # attributes an earlier version read
             if old in vars(self):
@@ -489,7 +492,7 @@ class FederatedMethod:
               stop: StopRule | None = None) -> Result:
         rows: list[dict[str, Any]] = []
         bar = Progress(f"{self.name} ({self.schedule})", num_rounds, self.progress,
-                       progress_bar)
+                       progress_bar, self._started(state).about)
         why = None
         try:
             for _ in range(num_rounds):

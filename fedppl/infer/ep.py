@@ -272,7 +272,7 @@ class EP(FederatedMethod):
                            self.schedule, self.max_divergence)
         static = ep_static(self, guide, model, solver, clients, rho=rho)
         return Plan(trio, self.schedule, server, cstates, ep_record, ep_result,
-                    log=start_log(K), rng_key=rng_key, static=static)
+                    log=start_log(K), rng_key=rng_key, static=static, about=guide.describe())
 
     def _set_up(self, clients: Clients, model_kwargs: dict) -> PVIGuide:
         """The guide set up on the clients, checked against the model (a copy the run keeps)."""

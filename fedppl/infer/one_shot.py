@@ -137,7 +137,7 @@ class OneShot(FederatedMethod):
         static = ep_static(self, guide, model, solver, clients, rho=1.0, one_shot=self.method)
         record = partial(_record, min(self.max_rhat, MIXED_RHAT), self.method)
         return Plan(trio, self.schedule, server, cstates, record, _result, log=start_log(K),
-                    rng_key=rng_key, static=static)
+                    rng_key=rng_key, static=static, about=guide.describe())
 
     def _message_bytes(self, msgs) -> int:
         extra = 0 if msgs.draws is None else msgs.draws[0].nbytes

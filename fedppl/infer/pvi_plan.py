@@ -14,7 +14,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax import Array
 
-from fedppl import trees
+from fedppl import trees, validation
 from fedppl.algorithms import conjugate, natural_gradient, polya_gamma, pvi, solvers
 from fedppl.algorithms.natural_gradient import PriorSolver
 from fedppl.algorithms.trio import Trio
@@ -24,7 +24,7 @@ from fedppl.guides.pvi_guide import PVIGuide
 from fedppl.handlers.client import client
 from fedppl.infer.base import RunState, StopRule
 from fedppl.infer.pvi_result import PVIResult
-from fedppl.infer.round_log import RoundRecord, report
+from fedppl.infer.round_log import RoundRecord, report, unfinished
 
 __all__ = ["SOLVERS", "Static", "Log", "start_log", "set_up", "check_clients", "flat_factors",
            "initial_states", "record", "result", "kl_tol_rule", "pvi_trio", "elbo_fn",
@@ -120,7 +120,67 @@ def set_up(guide: PVIGuide, clients: Clients, model_kwargs: dict,
     if polya_gamma_model is not None and guide.local_layout is None:
         polya_gamma.validate(polya_gamma_model, guide, clients)
     check_clients(guide, clients, model_kwargs)
+    hint_local_sites(guide, clients, model_kwargs)
     return copy.copy(guide)
+
+
+def hint_local_sites(guide: PVIGuide, clients: Clients, model_kwargs: dict) -> None:
+    """Warn about a global site in a plate (a vector of group effects) whose elements the
+    clients' likelihoods touch in a pattern that says it is meant to be local: each element by
+    one client only (making it local is the same model at far less cost), or each client the
+    elements ``0 .. n_k - 1`` (groups numbered from 0 within each client: as a global site,
+    different clients' groups share one element). Found from the model on the clients' data
+    (the gradient of each client's log-likelihood), not from names."""
+    from numpyro import handlers
+
+    if clients.num_clients < 2 or getattr(guide, "log_lik_fn", None) is not None:
+        return
+    layout = guide.layout_or_raise()
+    tr = handlers.trace(handlers.seed(guide.model, 0)).get_trace(*clients.client(0),
+                                                                 **model_kwargs)
+    plated = [s for s in layout.sites if s.size > 1 and tr[s.name]["cond_indep_stack"]
+              and s.unconstrained_shape == s.shape]
+    if not plated:
+        return
+    touched = np.asarray(_touched(solvers.bind(guide.model, model_kwargs), guide,
+                                  clients.stacked, clients.mask))
+    others = [n for n in layout.names if n not in {s.name for s in plated}]
+    for s in plated:
+        t = touched[:, s.slice]
+        counts = t.sum(0)
+        keep = ", ".join(repr(n) for n in others)
+        if counts.max() == 1:
+            validation.warn(
+                f"the global site '{s.name}' has elements that each enter one client's "
+                f"likelihood only: making it local (global_sites=[{keep}]) is the same model, "
+                "with each client keeping its own elements and q over far fewer coordinates")
+            continue
+        n = t.sum(1)
+        prefix = all(np.array_equal(t[k], np.arange(s.size) < n[k]) for k in range(len(t)))
+        if prefix and len(set(n.tolist())) > 1:
+            validation.warn(
+                f"the global site '{s.name}' is shared unevenly: {s.name}[0] enters "
+                f"{int(counts[0])} clients' likelihoods, {s.name}[{int(n.max()) - 1}] "
+                f"{int(counts[int(n.max()) - 1])}, each client's the first n of them. That is "
+                "the model as written (one element shared by the rows of every client that "
+                "uses its index); if each client numbers its own groups from 0, different "
+                "groups are merged into one: number them across clients, or make the site "
+                f"local (global_sites=[{keep}])")
+
+
+def _touched(model: Callable, guide: PVIGuide, data: tuple, masks: Array) -> Array:
+    """``(K, D)``: the global coordinates each client's observed log-likelihood depends on
+    (its gradient at two points)."""
+    D, dtype = guide.layout_or_raise().dim, guide.layout_or_raise().dtype
+
+    def one(d, m):
+        log_lik = natural_gradient.log_lik_fn(model, guide, d, m)
+        grads = [jnp.abs(jax.grad(log_lik)(jnp.full(D, c, dtype) + 0.05 * jnp.arange(D,
+                                                                                    dtype=dtype)))
+                 for c in (0.1, -0.3)]
+        return (grads[0] + grads[1]) > 0
+
+    return jax.jit(jax.vmap(one))(data, masks)
 
 
 def flat_factors(prior: g.Gaussian, num_clients: int) -> g.Gaussian:
@@ -207,11 +267,25 @@ def result(state: RunState, history: dict[str, np.ndarray],
     plan = state.plan
     assert plan is not None  # a started run's state
     st, log = plan.static, state.log.method
+    if "rhat" not in history:  # EP's unconverged samplers were named in their rounds
+        unfinished(history, plan.names)
+    held = prototype = None
+    local = state.clients.local if plan.data_at_server else None  # else the clients' own
+    if local is not None and getattr(st.guide, "log_lik_fn", None) is None:
+        held = _held(st.model, st.guide, state.data, state.masks)
+        prototype = tuple(x[0] for x in state.data)
     return PVIResult(guide=st.guide, q=state.server.q, factors=state.clients.factor,
                      history=history, rejected=list(log.rounds.rejected),
                      client_names=plan.names, unconverged=list(log.rounds.unconverged),
-                     local=state.clients.local, prior_factor=state.server.prior_factor,
-                     model=st.model, privacy=_privacy_report(st, log, plan.names))
+                     local=local, held=held, prototype=prototype,
+                     prior_factor=state.server.prior_factor, model=st.model,
+                     privacy=_privacy_report(st, log, plan.names))
+
+
+def _held(model: Callable, guide: PVIGuide, data: tuple, masks: Array) -> Array:
+    """``(K, d)``: the local coordinates each client's data touch."""
+    one = jax.vmap(lambda d, m: natural_gradient.held_coordinates(model, guide, d, m))
+    return jax.jit(one)(data, masks)
 
 
 
@@ -300,6 +374,7 @@ def check_clients(guide: PVIGuide, clients: Clients, model_kwargs: dict) -> None
     model gives each local site the shape of the padded prototype."""
     from numpyro import handlers
 
+    clients.check()  # arrays may have changed in place since partitioning
     want = {} if guide.local_layout is None else {s.name: s.shape
                                                   for s in guide.local_layout.sites}
     if not want and clients.num_clients > 1 and _observations_in_support(
@@ -312,6 +387,7 @@ def check_clients(guide: PVIGuide, clients: Clients, model_kwargs: dict) -> None
                                                                          **model_kwargs)
         except Exception as err:  # the model's own error, with the client's name
             raise ValueError(f"{who}: the model fails on this client's data: {err}") from err
+        validation.indices_in_range(guide.model, clients.client(k), model_kwargs, tr, who)
         for name, site in tr.items():
             if site["type"] != "sample" or not site["is_observed"]:
                 continue
@@ -337,11 +413,13 @@ def check_clients(guide: PVIGuide, clients: Clients, model_kwargs: dict) -> None
 
 
 def _observations_in_support(model: Callable, data: tuple, model_kwargs: dict) -> bool:
-    """Whether the model runs on ``data`` with every observation in its likelihood's support."""
+    """Whether the model runs on ``data`` with every observation in its likelihood's support
+    and every index in range."""
     from numpyro import handlers
 
     try:
         tr = handlers.trace(handlers.seed(model, 0)).get_trace(*data, **model_kwargs)
+        validation.indices_in_range(model, data, model_kwargs, tr, "pooled")
     except Exception:
         return False
     return all(bool(np.all(site["fn"].support(site["value"]))) for site in tr.values()

@@ -51,6 +51,11 @@ class PVIResult(Result):
     factors: g.Gaussian
     unconverged: list[tuple[int, str]] = field(default_factory=list)
     local: g.Conditional | None = None  # the clients' private guides, stacked (local sites)
+    # (K, d) booleans: the local coordinates each client's data touch (the groups it holds);
+    # ``local`` is a posterior only there, and sample() draws the others from the model's prior
+    # given the global sites, running the model on ``prototype`` (client 0's arrays)
+    held: Array | None = None
+    prototype: tuple | None = None
     prior_factor: g.Gaussian | None = None  # the server's t_0 (non-Gaussian priors)
     model: Callable | None = None  # the model as run (static keyword arguments bound)
     # a private run's guarantee: per-client ``epsilon``, ``worst_epsilon``, ``delta``,
@@ -61,6 +66,7 @@ class PVIResult(Result):
 
     def summary(self) -> dict[str, Any]:
         out = super().summary()
+        out.update(self.guide.roles())
         if self.privacy is not None:  # the guarantee travels with the result's summary
             out.update(epsilon=self.privacy["worst_epsilon"], delta=self.privacy["delta"])
         return out
@@ -74,14 +80,42 @@ class PVIResult(Result):
                ) -> dict[str, Array]:
         """Joint posterior draws keyed by site name, constrained: ``{name: (num_samples, ...)}``.
 
-        ``client`` (an index or a name) adds that client's local sites, drawn from its private
-        guide given each draw of the global ones."""
-        local = None
-        if client is not None:
-            k = self._client_index(client, self.factors.nat1.shape[0])
-            local = None if self.local is None else jax.tree_util.tree_map(lambda x: x[k],
-                                                                           self.local)
-        return self.guide.sample(rng_key, self.q, num_samples, local)
+        ``client`` (an index or a name) adds that client's local sites given each draw of the
+        global ones: from its private guide for the groups it holds data for, from the model's
+        prior given the global sites for the others (what the pooled posterior says of a group
+        without data)."""
+        if client is None:
+            return self.guide.sample(rng_key, self.q, num_samples)
+        k = self._client_index(client, self.factors.nat1.shape[0])
+        self._local_or_raise()
+        return self._with_local(rng_key, num_samples, k)
+
+    def sample_clients(self, rng_key: Array, num_samples: int) -> dict[str, Array]:
+        """Joint draws with every client's local sites, their client axis after the draw axis
+        (``{"a": (num_samples, K, ...)}``), given the same draws of the global ones (as
+        :meth:`to_arviz` exports them)."""
+        if self.guide.local_layout is None:
+            return self.guide.sample(rng_key, self.q, num_samples)
+        self._local_or_raise()
+        return self._with_local(rng_key, num_samples, slice(None))
+
+    def _local_or_raise(self) -> None:
+        if self.guide.local_layout is None:
+            raise ValueError("the model has no local sites: sample without client=")
+        if self.local is None:
+            raise ValueError("the clients' private guides over their local sites stayed with "
+                             "them (a runtime whose server does not hold the data): this "
+                             "result has the global sites only; sample without client=")
+
+    def _with_local(self, rng_key: Array, num_samples: int, k: int | slice) -> dict[str, Array]:
+        assert self.local is not None
+        local = jax.tree_util.tree_map(lambda x: x[k], self.local)
+        draws = self.guide.sample(rng_key, self.q, num_samples, local)
+        if self.held is None or self.prototype is None or bool(jax.numpy.all(self.held[k])):
+            return draws
+        model = self.model if self.model is not None else self.guide.model
+        return self.guide.unheld_from_prior(jax.random.fold_in(rng_key, 2), draws, self.held[k],
+                                            model, self.prototype)
 
     def predictive(self, rng_key: Array, *args: Any, num_samples: int = 1000,
                    client: int | str | None = None, **kwargs: Any) -> dict[str, Array]:

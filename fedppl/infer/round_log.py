@@ -7,27 +7,28 @@ its last round (``tol``, a method's own stopping rule), one line that stays once
 gone, naming the round and the criterion.
 
 :func:`report` is PVI's account of each round: refused and shrunk updates, repaired
-cavities, unconverged local steps and (once) a collapse of q's uncertainty, each naming the
+cavities, EP's chains that did not mix and (once) a collapse of q's uncertainty, each naming the
 clients; the refusals are kept for the result in a :class:`RoundRecord` that each round
-replaces (it travels in the run's state). :class:`RoundLog` keeps the record on an object for
-the Pyro port's front; both read the messages and Gaussians as NumPy arrays (JAX arrays, or
-torch tensors detached first).
+replaces (it travels in the run's state); :func:`unfinished` names, at the end of a run,
+the clients whose last local step stopped at its cap. :class:`RoundLog` keeps the record on an
+object for the Pyro port's front; both read the messages and Gaussians as NumPy arrays (JAX
+arrays, or torch tensors detached first).
 """
 
 from __future__ import annotations
 
 import math
 import sys
-import warnings
 from collections.abc import Mapping, Sequence
 from typing import Any, NamedTuple
 
 import numpy as np
 from tqdm.auto import tqdm
 
+from fedppl import validation
 from fedppl.algorithms import pvi
 
-__all__ = ["RoundLog", "RoundRecord", "report", "Progress", "postfix"]
+__all__ = ["RoundLog", "RoundRecord", "report", "unfinished", "Progress", "postfix"]
 
 
 def postfix(info: Mapping[str, Any], keys: Sequence[str]) -> dict[str, str]:
@@ -57,10 +58,11 @@ def postfix(info: Mapping[str, Any], keys: Sequence[str]) -> dict[str, str]:
 class Progress:
     """A run's progress bar on stderr, for ``num_rounds`` rounds.
 
-    ``update(info)`` ticks once and shows :func:`postfix` of the round's row; ``close(stopped)``
-    removes the bar and, if ``stopped`` (why the run ended early) is given, writes one line
-    that stays: ``"PVI (sequential): stopped after round 7 of 30: kl_change 3.2e-09 <= tol
-    1e-08"``. ``enabled=False`` writes nothing at all.
+    ``about`` (what the run fits: PVI's global and local sites) is written first, as a line
+    that stays. ``update(info)`` ticks once and shows :func:`postfix` of the round's row;
+    ``close(stopped)`` removes the bar and, if ``stopped`` (why the run ended early) is given,
+    writes one line that stays: ``"PVI (sequential): stopped after round 7 of 30: kl_change
+    3.2e-09 <= tol 1e-08"``. ``enabled=False`` writes nothing at all.
 
     Example::
 
@@ -69,9 +71,12 @@ class Progress:
         >>> bar.close("elbo stopped moving")
     """
 
-    def __init__(self, desc: str, num_rounds: int, keys: Sequence[str], enabled: bool = True):
+    def __init__(self, desc: str, num_rounds: int, keys: Sequence[str], enabled: bool = True,
+                 about: str = ""):
         self.desc, self.num_rounds, self.keys, self.enabled = desc, num_rounds, keys, enabled
         self.rounds = 0
+        if about and enabled:  # what the run fits, before its first round
+            tqdm.write(f"{desc}: {about}", file=sys.stderr)
         self.bar = tqdm(total=num_rounds, desc=desc, disable=not enabled, leave=False,
                         unit="round")
 
@@ -135,10 +140,6 @@ def report(record: RoundRecord, names: Sequence[str], shrink_factor: float, r: i
               + ("; no client moved q, and the next round samples the same cavities: raise "
                  "num_warmup or num_samples, start from other factors (a one-shot's or "
                  "PVI's), or raise max_rhat" if len(slow) == int(np.sum(active)) else ""))
-    elif len(slow):
-        iters = np.asarray(msgs.iterations)[slow]
-        _warn(f"round {r + 1}: the local steps of {listed(slow)} did not converge (after "
-              f"{int(iters.max())} iterations); their updates were applied as they are")
     warned = record.shrink_warned
     if r > 0 and not warned:
         warned = _check_shrink(names, shrink_factor, r, q_old, q_new, msgs, steps)
@@ -192,5 +193,28 @@ def _marginal_sds(q) -> np.ndarray:
     return np.sqrt(1.0 / prec if prec.ndim == 1 else np.diagonal(np.linalg.inv(prec)))
 
 
+def unfinished(history: Mapping[str, Any], names: Sequence[str]) -> None:
+    """Warn, naming them, when clients' last local steps in the run stopped at their cap
+    (``history["converged"]`` 0 in the last round each took part in): the answer rests on those
+    steps. A step cut short in an earlier round is finished by the rounds after it (PVI's fixed
+    point does not depend on the path), so it is recorded (``result.unconverged``) and not
+    reported."""
+    converged = np.asarray(history.get("converged", ()), float)
+    if converged.ndim != 2 or not len(converged):
+        return
+    iterations = np.asarray(history.get("local_iterations", np.zeros_like(converged)), float)
+    slow, most = [], 0
+    for k in range(converged.shape[1]):
+        taken = np.nonzero(~np.isnan(converged[:, k]))[0]
+        if len(taken) and converged[taken[-1], k] == 0:
+            slow.append(names[k])
+            most = max(most, int(iterations[taken[-1], k]))
+    if slow:
+        _warn(f"the local steps of {', '.join(slow)} did not converge in the last round they "
+              f"took part in (after {most} iterations), and the answer rests on them: run more "
+              "rounds (a step cut short in an earlier round is finished by the later ones) or "
+              "raise local_steps; result.unconverged lists every unfinished step")
+
+
 def _warn(message: str) -> None:
-    warnings.warn(message, RuntimeWarning, stacklevel=4)
+    validation.warn(message, RuntimeWarning)

@@ -297,7 +297,7 @@ class SMC(FederatedMethod):
                          self.final_renew, self.final_moves,
                          tuple(np.asarray(m) for m in g.to_moments(g.to_full(self.start))))
         return Plan(trio, "synchronous", server, clients_state, _record,
-                    _result, log=None, rng_key=rng_key, static=static)
+                    _result, log=None, rng_key=rng_key, static=static, about=guide.describe())
 
     def _refused(self, replies: Any, active: np.ndarray) -> np.ndarray:
         return np.asarray(replies.refused)

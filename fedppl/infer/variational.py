@@ -207,7 +207,8 @@ class PVI(FederatedMethod):
         static = Static(guide, model, elbo, np.asarray(clients.sizes), choice.calibration,
                         self.privacy, self.shrink_warning, line_search=line_search)
         return Plan(trio, self.schedule, server, cstates, record, result,
-                    log=start_log(clients.num_clients), rng_key=rng_key, static=static)
+                    log=start_log(clients.num_clients), rng_key=rng_key, static=static,
+                    about=guide.describe())
 
     # what the PVI family sends and refuses (shared with EP and OneShot)
     _message_bytes = staticmethod(message_bytes)

@@ -166,12 +166,29 @@ def test_unconverged_local_steps_are_named(logistic_data):
     X, y = logistic_data
     clients = fedppl.partition.homogeneous(X, y, 3)
     pvi = fedppl.PVI(logistic_model, PVIGuide(logistic_model), local_steps=1, elbo_samples=0)
-    with pytest.warns(RuntimeWarning, match=r"round 1: the local steps of client 0, client 1, "
-                                            r"client 2 did not converge \(after 1 iterations\)"):
+    with pytest.warns(RuntimeWarning, match=r"the local steps of client 0, client 1, client 2 "
+                                            r"did not converge in the last round they took "
+                                            r"part in \(after 1 iterations\)") as seen:
         res = pvi.run(jax.random.key(0), clients, 2, progress_bar=False)
+    assert len(seen) == 1 and seen[0].filename == __file__  # once, at the user's line
     assert (1, "client 0") in res.unconverged and (2, "client 2") in res.unconverged
     assert np.all(res.history["converged"] == 0)
     assert np.all(res.history["local_iterations"] == 1)
+
+
+def test_steps_finished_by_later_rounds_are_not_reported():
+    """A step cut short in an early round is finished by later ones (the fixed point does not
+    depend on the path): only a client whose last step in the run was cut short is named."""
+    from fedppl.infer.round_log import unfinished
+
+    history = {"converged": np.array([[0.0, 0.0, 1.0], [1.0, np.nan, 1.0]]),
+               "local_iterations": np.array([[100.0, 100.0, 7.0], [9.0, np.nan, 5.0]])}
+    with pytest.warns(RuntimeWarning, match=r"of b did not converge .*after 100 iterations"):
+        unfinished(history, ("a", "b", "c"))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        unfinished({**history, "converged": np.array([[0.0, 0.0, 1.0], [1.0, 1.0, 1.0]])},
+                   ("a", "b", "c"))
 
 
 def test_collapse_warning_names_the_client(linear_data):
