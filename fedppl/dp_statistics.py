@@ -302,8 +302,7 @@ def predict(stats: exact.Stats, features: Array, noise: Array | float,
 def predict_posterior(nat1: Array, prec: Array, features: Array, noise: Array | float,
                       stat_noise_var: Array | float) -> tuple[Array, Array]:
     """:func:`predict` from the posterior's natural parameters ``(A m, A)``."""
-    chol = jnp.linalg.cholesky(prec)
-    mean = jsl.cho_solve((chol, True), nat1)
+    mean, chol = exact.solve(prec, nat1)
     half = jsl.solve_triangular(chol, features.T, lower=True)
     extra = mean_noise_variance(chol, mean, features, stat_noise_var, noise**2)
     return features @ mean, jnp.sum(half**2, axis=0) + noise**2 + extra

@@ -38,7 +38,10 @@ from fedppl import trees
 from fedppl.families import gaussian as g
 
 __all__ = ["Stats", "client_stats", "validate", "aggregate", "add_up", "all_finite",
-           "likelihood_factor", "posterior", "predict", "log_marginal_likelihood"]
+           "likelihood_factor", "posterior", "solve", "predict", "log_marginal_likelihood",
+           "data_log_marginal_likelihood"]
+
+REFINE_STEPS = 20  # conjugate-gradient steps of :func:`solve`
 
 
 class Stats(NamedTuple):
@@ -116,10 +119,39 @@ def posterior(stats: Stats, noise: Array | float, prior_scale: Array | float) ->
     return g.FullGaussian(*g.product(prior, likelihood_factor(stats, noise)))
 
 
+def solve(prec: Array, rhs: Array, steps: int = REFINE_STEPS) -> tuple[Array, Array]:
+    """``prec^-1 rhs`` for a positive definite ``prec``, and the factor used: the lower
+    Cholesky factor of ``prec`` plus the dtype's jitter floor (:func:`g.jittered_cholesky`),
+    refined by ``steps`` of conjugate gradients on ``prec`` itself preconditioned by it, so
+    that the floor does not bias the solution where ``prec`` is ill-conditioned (float32, a
+    small noise); differentiated implicitly (``jax.lax.custom_linear_solve``)."""
+    chol = g.jittered_cholesky(prec)
+    fixed = jax.lax.stop_gradient(chol)
+
+    def cg(matvec, b):
+        precondition = lambda r: jsl.cho_solve((fixed, True), r)  # noqa: E731
+        x = precondition(b)
+        r = b - matvec(x)
+        z = precondition(r)
+
+        def step(_, carry):
+            x, r, z, p = carry
+            rz, Ap = r @ z, matvec(p)
+            pAp = p @ Ap
+            a = jnp.where(pAp > 0, rz / jnp.where(pAp > 0, pAp, 1), 0)
+            x, r = x + a * p, r - a * Ap
+            z2 = precondition(r)
+            beta = jnp.where(rz > 0, (r @ z2) / jnp.where(rz > 0, rz, 1), 0)
+            return x, r, z2, z2 + beta * p
+
+        return jax.lax.fori_loop(0, steps, step, (x, r, z, z))[0]
+
+    return jax.lax.custom_linear_solve(lambda v: prec @ v, rhs, cg, symmetric=True), chol
+
+
 def predict(post: g.FullGaussian, features: Array, noise: Array | float) -> tuple[Array, Array]:
     """Predictive mean and variance (observation noise included) at ``features (n, D)``."""
-    chol = g.jittered_cholesky(post.prec)  # floored jitter: finite in float32 too (g.jitter_floor)
-    mean = jsl.cho_solve((chol, True), post.nat1)
+    mean, chol = solve(post.prec, post.nat1)
     half = jsl.solve_triangular(chol, features.T, lower=True)
     return features @ mean, jnp.sum(half**2, axis=0) + noise**2
 
@@ -132,3 +164,26 @@ def log_marginal_likelihood(stats: Stats, yy: Array, noise: Array, prior_scale: 
     half = jsl.solve_triangular(chol, stats.proj / noise**2, lower=True)
     return (-0.5 * stats.count * jnp.log(2 * jnp.pi * noise**2) - dim * jnp.log(prior_scale)
             - jnp.sum(jnp.log(jnp.diagonal(chol))) - 0.5 * (yy / noise**2 - half @ half))
+
+
+def data_log_marginal_likelihood(features: Array, y: Array, noise: Array, prior_scale: Array,
+                                 mask: Array | None = None) -> Array:
+    """:func:`log_marginal_likelihood` from the data themselves, in a form float32 resolves
+    when the noise is small: the data-fit term as ``||y - Phi w_bar||^2 / sigma^2 +
+    ||w_bar||^2 / lambda^2`` (two non-negative terms, stationary in ``w_bar``), not as the
+    difference ``y^T y / sigma^2 - b^T A^-1 b / sigma^4`` of two numbers of order
+    ``N / sigma^2``; and ``A`` jittered only by what the dtype's floor asks beyond the prior
+    precision ``1 / lambda^2`` that every eigenvalue already has. Masked rows count for
+    nothing."""
+    stats = client_stats(features, y, mask)
+    if mask is not None:
+        features, y = features * mask[:, None], y * mask
+    dim = stats.proj.shape[-1]
+    A = stats.scatter / noise**2 + jnp.eye(dim, dtype=features.dtype) / prior_scale**2
+    shift = jnp.maximum(g.jitter_floor(A) - 1 / prior_scale**2, 0.0)
+    chol = jnp.linalg.cholesky(A + shift * jnp.eye(dim, dtype=A.dtype))
+    mean = jsl.cho_solve((chol, True), stats.proj / noise**2)
+    residual = y - features @ mean
+    fit = residual @ residual / noise**2 + mean @ mean / prior_scale**2
+    return (-0.5 * stats.count * jnp.log(2 * jnp.pi * noise**2) - dim * jnp.log(prior_scale)
+            - jnp.sum(jnp.log(jnp.diagonal(chol))) - 0.5 * fit)

@@ -159,12 +159,12 @@ def init_params(kernel: URKParams, noise: float = 0.3, prior_scale: float = 1.0)
 
 def neg_log_ml(params: BNRParams, data: tuple, mask: Array, key: Array | None = None, *,
                omega: Array) -> Array:
-    """Minus the client's log marginal likelihood (Eq. 18) per data point; ``data = (X, y)``."""
+    """Minus the client's log marginal likelihood (Eq. 18) per data point; ``data = (X, y)``
+    (from the data themselves: :func:`fedppl.algorithms.exact.data_log_marginal_likelihood`)."""
     X, y = data
-    stats = exact.client_stats(urk_features(params.kernel, omega, X), y, mask)
-    yy = jnp.sum(mask * y**2)
-    lml = exact.log_marginal_likelihood(stats, yy, params.noise, params.prior_scale)
-    return -lml / jnp.maximum(stats.count, 1.0)
+    lml = exact.data_log_marginal_likelihood(urk_features(params.kernel, omega, X), y,
+                                             params.noise, params.prior_scale, mask)
+    return -lml / jnp.maximum(jnp.sum(mask), 1.0)
 
 
 def client_stats(kernel: URKParams, omega: Array, X: Array, y: Array, mask: Array

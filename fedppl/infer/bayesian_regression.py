@@ -309,6 +309,7 @@ class FedBNR(FederatedMethod):
                           "kernels and the prior as last layer", RuntimeWarning, stacklevel=3)
         stopped = bool(srv.done) and int(srv.stale) >= self.patience
         _warn_not_finite((srv.best, srv.last_layer))
+        _warn_unresolved(srv.best, np.asarray(state.masks).sum(axis=1), self.spec.num_features)
         plan = self._started(state)
         return FedBNRResult(history=history, client_names=plan.names, rejected=rejected,
                             spec=self.spec, kernel=self.kernel, last_layer=self.last_layer,
@@ -439,6 +440,23 @@ def _warn_not_finite(tree: Any) -> None:
                   f"(a learning rate too large for the data, or data not standardised){hint}",
                   RuntimeWarning, stacklevel=4)
 
+
+
+def _warn_unresolved(kernels: alg.BNRParams, sizes: np.ndarray, num_features: int) -> None:
+    """Warn where the dtype cannot resolve the clients' objective at the learnt kernel: where
+    the jitter a Cholesky factor of ``A = S / sigma^2 + I / lambda^2`` needs
+    (:func:`fedppl.families.gaussian.jitter_floor`, ``10 eps tr(A)``; ``tr(S) = N_k`` for the
+    unit-norm URK features) exceeds the prior precision ``1 / lambda^2``."""
+    noise, scale = (np.asarray(x, np.float64) for x in (kernels.noise, kernels.prior_scale))
+    eps = float(jnp.finfo(kernels.log_noise.dtype).eps)
+    floor = 10 * eps * (float(sizes.max()) / noise**2 + num_features / scale**2)
+    if not np.all(np.isfinite(floor)) or np.all(floor <= 1 / scale**2):
+        return
+    warnings.warn(f"FedBNR's kernel objective is not resolved in "
+                  f"{jnp.dtype(kernels.log_noise.dtype).name} at the learnt noise "
+                  f"{float(noise.min()):.3g} with up to {int(sizes.max())} points per client: "
+                  f"the kernels may be far from a float64 run's; numpyro.enable_x64() runs it "
+                  f"in float64", RuntimeWarning, stacklevel=4)
 
 
 def _choice(value: Any, options: tuple[str, ...], name: str) -> str:

@@ -112,3 +112,51 @@ def test_add_up_makes_the_hosts_additions_in_order():
         np.testing.assert_array_equal(got, want)
     assert bool(exact.all_finite(stacked))
     assert not bool(exact.all_finite(stacked._replace(proj=stacked.proj.at[2, 0].set(np.nan))))
+
+
+def _ill_conditioned(dtype):
+    """Random Fourier features of a smooth function with little noise."""
+    rng = np.random.default_rng(3)
+    X = rng.normal(size=(400, 2))
+    proj = X @ rng.normal(size=(2, 25))
+    Phi = np.hstack([np.cos(proj), np.sin(proj)]) / 5
+    y = np.sin(X[:, 0]) + 0.005 * rng.normal(size=400)
+    return jnp.asarray(Phi, dtype), jnp.asarray(y, dtype)
+
+
+def test_data_log_marginal_likelihood_equals_the_statistics_form(pooled):
+    Phi, y = (jnp.asarray(a) for a in pooled)
+    mask = jnp.arange(200) < 150
+    want = exact.log_marginal_likelihood(exact.client_stats(Phi, y, mask),
+                                         jnp.sum(mask * y**2), NOISE, SCALE)
+    got = exact.data_log_marginal_likelihood(Phi, y, NOISE, SCALE, mask)
+    np.testing.assert_allclose(got, want, rtol=1e-12)
+
+
+def test_data_log_marginal_likelihood_is_accurate_in_float32():
+    """At noise 0.05 the statistics' form is 3 nats off in float32 and its noise gradient 1.5 %
+    (cancellation and the jitter floor); the residual form 2e-4 nats and 2e-6."""
+    def value_and_grad(dtype):
+        Phi, y = _ill_conditioned(dtype)
+        f = lambda s: exact.data_log_marginal_likelihood(Phi, y, s, 1.0)  # noqa: E731
+        return (float(v) for v in jax.value_and_grad(f)(jnp.asarray(0.05, dtype)))
+
+    v64, g64 = value_and_grad(jnp.float64)
+    with jax.enable_x64(False):
+        v32, g32 = value_and_grad(jnp.float32)
+    assert abs(v32 - v64) < 0.01 and abs(g32 / g64 - 1) < 1e-4, (v32, v64, g32, g64)
+
+
+def test_solve_removes_the_jitter_floor_bias_in_float32():
+    """The fitted values of a last layer whose precision float32 factors only with the floor."""
+    def mean(dtype):
+        Phi, y = _ill_conditioned(dtype)
+        post = exact.posterior(exact.client_stats(Phi, y), 0.005, 1.0)
+        return np.asarray(Phi @ exact.solve(post.prec, post.nat1)[0], np.float64)
+
+    want = mean(jnp.float64)
+    with jax.enable_x64(False):
+        got = mean(jnp.float32)
+    _, y = _ill_conditioned(jnp.float64)
+    # measured: 0.012 of the residual's RMSE (the floor alone: 0.38)
+    assert np.sqrt(np.mean((got - want) ** 2)) < 0.1 * np.sqrt(np.mean((y - want) ** 2))
