@@ -377,8 +377,9 @@ def check_clients(guide: PVIGuide, clients: Clients, model_kwargs: dict) -> None
     clients.check()  # arrays may have changed in place since partitioning
     want = {} if guide.local_layout is None else {s.name: s.shape
                                                   for s in guide.local_layout.sites}
-    if not want and clients.num_clients > 1 and _observations_in_support(
-            guide.model, clients.pooled().client(0), model_kwargs):
+    pooled = clients.num_clients > 1 and _observations_in_support(
+        guide.model, clients.pooled().client(0), model_kwargs)
+    if not want and pooled:
         return  # one trace of the pooled rows; the loop below only to name a failing client
     for k in range(clients.num_clients):
         who = clients.names[k]
@@ -387,7 +388,8 @@ def check_clients(guide: PVIGuide, clients: Clients, model_kwargs: dict) -> None
                                                                          **model_kwargs)
         except Exception as err:  # the model's own error, with the client's name
             raise ValueError(f"{who}: the model fails on this client's data: {err}") from err
-        validation.indices_in_range(guide.model, clients.client(k), model_kwargs, tr, who)
+        if not pooled:  # the pooled rows' indices were in range: each client's are
+            validation.indices_in_range(guide.model, clients.client(k), model_kwargs, tr, who)
         for name, site in tr.items():
             if site["type"] != "sample" or not site["is_observed"]:
                 continue

@@ -87,6 +87,8 @@ class PVIResult(Result):
         if client is None:
             return self.guide.sample(rng_key, self.q, num_samples)
         k = self._client_index(client, self.factors.nat1.shape[0])
+        if self.guide.local_layout is None:  # no local sites: every client's draws are q's
+            return self.guide.sample(rng_key, self.q, num_samples)
         self._local_or_raise()
         return self._with_local(rng_key, num_samples, k)
 
@@ -100,8 +102,6 @@ class PVIResult(Result):
         return self._with_local(rng_key, num_samples, slice(None))
 
     def _local_or_raise(self) -> None:
-        if self.guide.local_layout is None:
-            raise ValueError("the model has no local sites: sample without client=")
         if self.local is None:
             raise ValueError("the clients' private guides over their local sites stayed with "
                              "them (a runtime whose server does not hold the data): this "
