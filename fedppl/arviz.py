@@ -31,16 +31,13 @@ from __future__ import annotations
 import importlib
 import warnings
 from types import ModuleType
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import numpy as np
 
 from fedppl import validation
 
-if TYPE_CHECKING:  # pragma: no cover
-    from fedppl.infer.pvi_result import PVIResult
-
-__all__ = ["NUM_CHAINS", "to_inference_data", "from_dict", "as_chains", "check_num_samples",
+__all__ = ["NUM_CHAINS", "from_dict", "as_chains", "check_num_samples",
            "history_attrs", "arviz_base", "arviz_stats", "arviz_plots"]
 
 #: Chains the posterior draws of every ``to_arviz()`` are split into.
@@ -141,49 +138,6 @@ def from_dict(groups: dict[str, dict[str, Any] | None], *, dims: dict[str, list]
     attrs = {name: {k: _attr(v) for k, v in a.items()}
              for name, a in (attrs or {}).items() if name in data or name == "/"}
     return ab.from_dict(data, dims=dims, coords=coords, attrs=attrs, **kwargs)
-
-
-def to_inference_data(result: PVIResult, rng_key=None, num_samples: int = 1000):
-    """Posterior draws (:data:`NUM_CHAINS` chains), per-client factor precisions and run history.
-
-    Local sites (a client's random effects) carry a ``client`` dimension after ``draw``.
-
-    The factors are exported as their natural parameters over the flat unconstrained vector
-    (``factor_nat1``, ``factor_prec``), since a factor need not be a normalisable distribution.
-    The history entries a result names in ``client_stats`` (EP: its sampler's ``rhat``, ``ess``
-    and ``mc_error``) go to ``constant_data`` as ``last_<name>``, the last round's value per
-    client (dimension ``client``).
-
-    :param result: a :class:`fedppl.PVIResult` (or a result derived from it).
-    :type result: fedppl.PVIResult
-    """
-    import jax
-
-    from fedppl.families import gaussian as g
-
-    num_samples = check_num_samples(num_samples)
-    rng_key = jax.random.key(0) if rng_key is None else rng_key
-    # every client's local sites, drawn given the same draws of the global ones
-    draws = (result.sample(rng_key, num_samples) if result.local is None
-             else result.sample_clients(rng_key, num_samples))
-    nat1 = np.asarray(result.factors.nat1)
-    full = isinstance(result.factors, g.FullGaussian)
-    constant = {"factor_nat1": nat1, "factor_prec": np.asarray(result.factors.prec)}
-    dims = {"factor_nat1": ["client", "theta"],
-            "factor_prec": ["client", "theta", "theta_"] if full else ["client", "theta"]}
-    coords: dict[str, list] = {"client": list(result.client_names) or list(range(len(nat1)))}
-    if result.local is not None:
-        assert result.guide.local_layout is not None
-        for site in result.guide.local_layout.sites:
-            dims[site.name] = ["client"] + [f"{site.name}_dim_{i}" for i in range(len(site.shape))]
-    for key in result.client_stats:  # per-client statistics of the last round
-        values = result.history.get(key)
-        if values is not None and len(values):
-            constant[f"last_{key}"] = np.asarray(values[-1])
-            dims[f"last_{key}"] = ["client"]
-    return from_dict({"posterior": {k: as_chains(v) for k, v in draws.items()},
-                      "constant_data": constant},
-                     coords=coords, dims=dims, attrs={"posterior": history_attrs(result.history)})
 
 
 def history_attrs(history: dict[str, Any]) -> dict[str, Any]:

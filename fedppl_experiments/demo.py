@@ -32,7 +32,6 @@ from fedppl.models import logistic_regression
 __all__ = ["run_demo", "demo_task", "load_breast_cancer", "RUNTIMES"]
 
 RUNTIMES = ("embedded", "flower", "flower-deployment")
-PPLS = ("numpyro", "pyro")
 
 
 @dataclass
@@ -117,22 +116,14 @@ def _on_flower(runtime: str, config: dict[str, Any]) -> PVIResult:
 
 def run_demo(num_clients: int = 10, num_rounds: int = 10, local_steps: int = 100,
              out: str | None = "fedppl-demo.png", seed: int = 0, progress_bar: bool = True,
-             runtime: str = "embedded", ppl: str = "numpyro") -> list[Row]:
+             runtime: str = "embedded") -> list[Row]:
     """Run the comparison, print the table, write the plot; returns the table rows (each with
     its run's history; ``fedppl demo --json`` writes them). ``runtime`` runs the PVI rows on the
     embedded runtime, Flower's Simulation Engine (``"flower"``) or a local Deployment Engine
-    (``"flower-deployment"``). ``ppl="pyro"`` runs the same comparison with the Pyro port
-    (:mod:`fedppl_experiments.demo_pyro`, embedded runtime only)."""
+    (``"flower-deployment"``). :func:`fedppl_experiments.demo_pyro.run_demo_pyro` runs the
+    same comparison with the Pyro port."""
     if runtime not in RUNTIMES:
         raise ValueError(f"runtime must be one of {RUNTIMES}, got {runtime!r}")
-    if ppl not in PPLS:
-        raise ValueError(f"ppl must be one of {PPLS}, got {ppl!r}")
-    if ppl == "pyro":
-        if runtime != "embedded":
-            raise ValueError("the Pyro demo runs on the embedded runtime only")
-        from fedppl_experiments.demo_pyro import run_demo_pyro
-
-        return run_demo_pyro(num_clients, num_rounds, local_steps, out, seed, progress_bar)
     jax.config.update("jax_enable_x64", True)
     Xtr, ytr, Xte, yte = load_breast_cancer(seed)
     clients = partition.by_feature(Xtr, ytr, num_clients)

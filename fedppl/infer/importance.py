@@ -49,6 +49,7 @@ from fedppl.clients import Clients
 from fedppl.families import gaussian as g
 from fedppl.guides.pvi_guide import PVIGuide
 from fedppl.infer.base import Result, check_rounds
+from fedppl.infer.client_checks import check_clients
 from fedppl.infer.round_log import Progress
 from fedppl.model_call import positional
 from fedppl.runtime.embedded import make_round
@@ -397,8 +398,6 @@ def set_up_on(guide: PVIGuide, start: g.Gaussian, model: Callable, clients: Clie
     before any client computes (the clients' shapes, their data, no subsampling plate, the
     global dimension): the guide's layout. A guide with a ``check_clients(clients,
     model_kwargs, who)`` method (the Pyro port's) checks the data and the plates itself."""
-    from fedppl.infer.pvi_plan import check_clients
-
     if guide.signature is not None:
         want = [shape[1:] for shape in guide.signature[0]]
         got = [np.shape(a)[1:] for a in clients.client(0)]

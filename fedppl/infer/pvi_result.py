@@ -9,6 +9,7 @@ from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
 import jax
+import numpy as np
 from jax import Array
 
 from fedppl.algorithms.solvers import BoundModel
@@ -134,12 +135,40 @@ class PVIResult(Result):
         return g.to_moments(self.q)
 
     def to_arviz(self, rng_key: Array | None = None, num_samples: int = 1000):
-        """An ``xarray.DataTree`` for ArviZ 1.x (``arviz_base.from_dict``): ``num_samples``
-        draws of q as 4 chains, the factors per client (see :mod:`fedppl.arviz`; needs
-        ``pip install 'fedppl[arviz]'``)."""
-        from fedppl.arviz import to_inference_data
+        """An ``xarray.DataTree`` for ArviZ 1.x (``arviz_base.from_dict``; needs
+        ``pip install 'fedppl[arviz]'``): ``num_samples`` draws of q as
+        :data:`fedppl.arviz.NUM_CHAINS` chains, local sites with a ``client`` dimension after
+        ``draw`` (every client's, given the same draws of the global ones), the factors per client
+        as their natural parameters over the flat unconstrained vector (``factor_nat1``,
+        ``factor_prec`` in ``constant_data``: a factor need not be a normalisable
+        distribution), the run's history in the posterior's attributes, and the history entries
+        a result names in ``client_stats`` (EP: its sampler's ``rhat``, ``ess``, ``mc_error``)
+        as ``last_<name>``, the last round's value per client."""
+        from fedppl.arviz import as_chains, check_num_samples, from_dict, history_attrs
 
-        return to_inference_data(self, rng_key, num_samples)
+        num_samples = check_num_samples(num_samples)
+        rng_key = jax.random.key(0) if rng_key is None else rng_key
+        draws = (self.sample(rng_key, num_samples) if self.local is None
+                 else self.sample_clients(rng_key, num_samples))
+        nat1 = np.asarray(self.factors.nat1)
+        full = isinstance(self.factors, g.FullGaussian)
+        constant = {"factor_nat1": nat1, "factor_prec": np.asarray(self.factors.prec)}
+        dims = {"factor_nat1": ["client", "theta"],
+                "factor_prec": ["client", "theta", "theta_"] if full else ["client", "theta"]}
+        coords: dict[str, list] = {"client": list(self.client_names) or list(range(len(nat1)))}
+        if self.local is not None:
+            assert self.guide.local_layout is not None
+            for site in self.guide.local_layout.sites:
+                dims[site.name] = ["client"] + [f"{site.name}_dim_{i}"
+                                                for i in range(len(site.shape))]
+        for key in self.client_stats:  # per-client statistics of the last round
+            values = self.history.get(key)
+            if values is not None and len(values):
+                constant[f"last_{key}"] = np.asarray(values[-1])
+                dims[f"last_{key}"] = ["client"]
+        return from_dict({"posterior": {k: as_chains(v) for k, v in draws.items()},
+                          "constant_data": constant}, coords=coords, dims=dims,
+                         attrs={"posterior": history_attrs(self.history)})
 
     def check(self, rng_key: Array, clients: Clients, num_draws: int = 1000, *,
               progress_bar: bool = False, **kwargs: Any):

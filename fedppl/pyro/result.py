@@ -85,13 +85,11 @@ class PVIResult(CoreResult):
 
     def to_arviz(self, rng_key: torch.Generator | None = None,  # type: ignore[override]
                  num_samples: int = 1000):
-        """An ``xarray.DataTree`` for ArviZ 1.x (:func:`fedppl.arviz.to_inference_data`):
+        """An ``xarray.DataTree`` for ArviZ 1.x (:meth:`fedppl.PVIResult.to_arviz`):
         ``num_samples`` draws of q as 4 chains, the factors per client (needs
         ``pip install 'fedppl[arviz]'``)."""
-        from fedppl.arviz import to_inference_data
-
         gen = torch.Generator().manual_seed(0) if rng_key is None else as_generator(rng_key)
-        return to_inference_data(self, gen, num_samples)
+        return CoreResult.to_arviz(self, gen, num_samples)  # type: ignore[arg-type]
 
 
 @dataclass(kw_only=True)

@@ -8,8 +8,8 @@ import inspect
 import os
 import secrets
 import time
-from collections.abc import Callable
-from typing import TYPE_CHECKING, Any, NamedTuple, cast
+from collections.abc import Callable, Mapping
+from typing import Any, NamedTuple, Protocol, cast
 
 import jax
 import jax.numpy as jnp
@@ -27,10 +27,19 @@ except ImportError as err:  # pragma: no cover - the extra is installed by make 
 
 from fedppl.runtime.flower_wire import pack, shapes, unflatten, unpack
 from fedppl.runtime.secagg import requested, summand_content
+from fedppl.runtime.task import Task
 from fedppl.trees import index
 
-if TYPE_CHECKING:
-    from fedppl.runtime.flower import FlowerApp
+
+class App(Protocol):
+    """What a node reads of its :class:`fedppl.runtime.flower.FlowerApp`: the app's token (one
+    per app object: the node's compiled programs are kept per app) and its task for a run's
+    configuration."""
+
+    token: str
+
+    def task_for(self, run_config: Mapping[str, Any]) -> Task: ...
+
 
 # ``run`` arguments that are not ``init``'s (how a run is shown and when it stops)
 RUN_ONLY = ("progress_bar", "tol")
@@ -61,7 +70,7 @@ class Node:
     """One message's work on a node (a ClientApp may run in a fresh process per message: what
     lasts between messages is in ``context.state``)."""
 
-    def __init__(self, app: FlowerApp, context: Context, content: RecordDict | None = None):
+    def __init__(self, app: App, context: Context, content: RecordDict | None = None):
         self.app, self.context = app, context
         # the server's precision, before this process makes any array (a deployment may start
         # a fresh process for every message)

@@ -35,10 +35,19 @@ def register(sub: argparse._SubParsersAction) -> None:
 def run(args: argparse.Namespace) -> list[dict]:
     """Print the table, write the plot; one run per table row."""
     from fedppl.cli import run_record
-    from fedppl_experiments.demo import run_demo
 
-    rows = run_demo(args.clients, args.rounds, args.local_steps, args.plot or None, args.seed,
-                    progress_bar=not args.no_progress, runtime=args.runtime, ppl=args.ppl)
+    if args.ppl == "pyro":  # the same comparison in the Pyro port
+        if args.runtime != "embedded":
+            raise ValueError("the Pyro demo runs on the embedded runtime only")
+        from fedppl_experiments.demo_pyro import run_demo_pyro
+
+        rows = run_demo_pyro(args.clients, args.rounds, args.local_steps, args.plot or None,
+                             args.seed, not args.no_progress)
+    else:
+        from fedppl_experiments.demo import run_demo
+
+        rows = run_demo(args.clients, args.rounds, args.local_steps, args.plot or None,
+                        args.seed, progress_bar=not args.no_progress, runtime=args.runtime)
     config = {"clients": args.clients, "rounds": args.rounds, "local_steps": args.local_steps,
               "seed": args.seed, "runtime": args.runtime, "ppl": args.ppl}
     return [run_record(r.method, config, {"accuracy": r.accuracy, "log_lik": r.log_lik,
