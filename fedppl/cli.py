@@ -24,14 +24,12 @@ from __future__ import annotations
 import argparse
 import json
 import sys
-from collections.abc import Mapping, Sequence
+from collections.abc import Sequence
 from typing import Any
-
-import numpy as np
 
 from fedppl.infer.base import plain
 
-__all__ = ["main", "build_parser", "document", "run_record", "JSON_SCHEMA", "version"]
+__all__ = ["main", "build_parser", "document", "JSON_SCHEMA", "version"]
 
 #: The one JSON shape every subcommand writes with ``--json``. Each run is a
 #: :meth:`fedppl.infer.base.Result.to_json` (``method``, ``summary``, ``history``, ``rejected``)
@@ -78,23 +76,6 @@ def version() -> str:
         from fedppl import __version__
 
         return __version__
-
-
-def _column(value: Any) -> list[Any]:
-    if isinstance(value, (list, tuple)):
-        return plain(list(value))
-    arr = np.asarray(value)
-    return plain(arr) if arr.ndim else [plain(arr)]
-
-
-def run_record(method: str, config: Mapping[str, Any], summary: Mapping[str, Any],
-               history: Mapping[str, Any] | None = None,
-               rejected: Sequence[Any] | None = None) -> dict[str, Any]:
-    """One run in the JSON shape (plain types; ``history`` and ``rejected`` empty if ``None``)."""
-    return {"method": str(method), "config": plain(dict(config)),
-            "summary": plain(dict(summary)),
-            "history": {str(k): _column(v) for k, v in (history or {}).items()},
-            "rejected": [plain(list(r)) for r in (rejected or [])]}
 
 
 def document(command: str, args: argparse.Namespace, runs: Sequence[dict[str, Any]]

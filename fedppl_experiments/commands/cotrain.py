@@ -46,8 +46,8 @@ def run(args: argparse.Namespace) -> list[dict]:
     import jax
 
     from fedppl.algorithms import cotraining as ct
-    from fedppl.cli import run_record
     from fedppl_experiments import cotraining_study as study
+    from fedppl_experiments.commands.record import run_record
 
     jax.config.update("jax_enable_x64", True)
     cfg = study.Config(args.combination, args.uncertainty, args.masked, not args.no_cond_indep,

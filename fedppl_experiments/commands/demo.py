@@ -34,7 +34,7 @@ def register(sub: argparse._SubParsersAction) -> None:
 
 def run(args: argparse.Namespace) -> list[dict]:
     """Print the table, write the plot; one run per table row."""
-    from fedppl.cli import run_record
+    from fedppl_experiments.commands.record import run_record
 
     if args.ppl == "pyro":  # the same comparison in the Pyro port
         if args.runtime != "embedded":

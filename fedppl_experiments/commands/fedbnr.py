@@ -31,8 +31,8 @@ def run(args: argparse.Namespace) -> list[dict]:
     """Run the variants, print the table; one run per variant."""
     import jax
 
-    from fedppl.cli import run_record
     from fedppl_experiments import fedbnr_uci
+    from fedppl_experiments.commands.record import run_record
 
     jax.config.update("jax_enable_x64", True)
     rows = fedbnr_uci.run(args.data, args.clients, args.method, seed=args.seed,

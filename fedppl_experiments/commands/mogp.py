@@ -65,7 +65,7 @@ def run(args: argparse.Namespace) -> list[dict]:
     import jax
     from tqdm.auto import tqdm
 
-    from fedppl.cli import run_record
+    from fedppl_experiments.commands.record import run_record
 
     jax.config.update("jax_enable_x64", True)
     runs = []

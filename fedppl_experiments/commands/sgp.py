@@ -71,8 +71,8 @@ def run(args: argparse.Namespace) -> list[dict]:
     """Fit every method, print the table; one run per method."""
     import jax
 
-    from fedppl.cli import run_record
     from fedppl_experiments import sgp_uci
+    from fedppl_experiments.commands.record import run_record
 
     jax.config.update("jax_enable_x64", True)
     rows = sgp_uci.run(args.data, args.split, args.clients, args.method, args.rounds,

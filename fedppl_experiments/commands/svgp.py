@@ -60,8 +60,8 @@ def run(args: argparse.Namespace) -> list[dict]:
     loss every ``steps // 100`` steps)."""
     import jax
 
-    from fedppl.cli import run_record
     from fedppl_experiments import svgp
+    from fedppl_experiments.commands.record import run_record
 
     jax.config.update("jax_enable_x64", True)
     settings = svgp.Settings(num_inducing=args.inducing, m0=args.m0, q0=args.q0,
