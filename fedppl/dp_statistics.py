@@ -47,6 +47,13 @@ mechanism, in one place:
   ``{i, j} = {k, l}``). :func:`mean_noise_variance` evaluates ``phi*^T Cov_noise(m) phi*`` at
   the (repaired) noisy ``A`` and ``m`` and the predictive variance adds it. Clipping's bias
   and the noise in ``A^-1`` itself (second order) are not corrected.
+* **Noise-aware posterior.** That plug-in ``m`` divides the noise in ``b`` by ``s^2`` along
+  every direction the repaired ``S`` has lost to the noise, so with few records its means
+  run into the hundreds. FedBNR and FSGP instead weigh that noise in the likelihood
+  (:func:`noise_aware_factor`: ``b~ ~ N(S w, s^2 S + tau^2 I)``), which keeps the prior
+  along such directions and equals the plug-in factor where the data dominate; their
+  predictive variance adds the scatter noise's first-order effect
+  (:func:`predict_noise_aware`).
 
 What it covers: the statistics only. FedBNR's phase-1 kernels and log marginal likelihoods,
 and FSGP's FedAvg parameters and counts, are sent in the clear and are not protected; the
@@ -88,13 +95,15 @@ from jax import Array
 
 from fedppl import accounting
 from fedppl.algorithms import exact
+from fedppl.families import gaussian as g
 
 if TYPE_CHECKING:
     import dp_accounting
 
 __all__ = ["PrivateStatistics", "Mechanism", "sensitivity", "clip_rows", "clip_targets",
-           "add_noise", "private_stats", "released", "repair_scatter", "mean_noise_variance",
-           "predict", "predict_posterior", "COVERS"]
+           "add_noise", "private_stats", "released", "repair_scatter", "noise_aware_factor",
+           "noise_aware_posterior", "plug_in_precision", "mean_noise_variance", "predict",
+           "predict_posterior", "predict_noise_aware", "COVERS"]
 
 COVERS = ("the sufficient statistics only (scatter, projection, count); parameters sent in "
           "training rounds are not protected")
@@ -276,15 +285,56 @@ def repair_scatter(scatter: Array, rtol: float = 1e-10) -> tuple[Array, Array]:
     return out, jnp.where(needs, jnp.sum(w < 0, axis=-1), 0)
 
 
+def noise_aware_factor(scatter: Array, proj: Array, noise_var: Array | float,
+                       stat_noise_var: Array | float) -> tuple[Array, Array]:
+    """The likelihood of the weights given noisy sums, as natural parameters ``(nat1, prec)``:
+    ``b~ = Phi^T y + e ~ N(S w, s^2 S + tau^2 I)`` with ``S`` the (repaired) noisy scatter
+    taken as known, so ``prec = S C^-1 S`` and ``nat1 = S C^-1 b~``, ``C = s^2 S + tau^2 I``
+    (``noise_var``: ``s^2``, ``stat_noise_var``: ``tau^2``). Along an eigenvector of ``S``
+    with eigenvalue ``mu`` the factor weighs the data by ``mu / (s^2 mu + tau^2)``: ``1 / s^2``
+    (the plug-in factor ``(b~ / s^2, S / s^2)``) where ``mu >> tau^2 / s^2``, nothing where
+    the noise swamps ``S``."""
+    mu, V = jnp.linalg.eigh(0.5 * (scatter + scatter.T))
+    mu = jnp.maximum(mu, 0.0)
+    c = noise_var * mu + stat_noise_var
+    gain = jnp.where(c > 0, mu / jnp.where(c > 0, c, 1.0), 0.0)
+    return V @ (gain * (V.T @ proj)), (V * (gain * mu)) @ V.T
+
+
+def noise_aware_posterior(stats: exact.Stats, noise: Array | float, prior_scale: Array | float,
+                          stat_noise_var: Array | float) -> g.FullGaussian:
+    """Bayesian linear regression's posterior from noisy sums: the prior ``N(0, lambda^2 I)``
+    times :func:`noise_aware_factor` (:func:`fedppl.algorithms.exact.posterior` when
+    ``stat_noise_var = 0``)."""
+    nat1, prec = noise_aware_factor(stats.scatter, stats.proj, noise**2, stat_noise_var)
+    dim = stats.proj.shape[-1]
+    return g.FullGaussian(nat1, prec + jnp.eye(dim, dtype=prec.dtype) / prior_scale**2)
+
+
+def plug_in_precision(prec: Array, prior_prec: Array | float, noise_var: Array | float,
+                      stat_noise_var: Array | float) -> Array:
+    """``prior_prec I + S / s^2`` from the precision of :func:`noise_aware_posterior`,
+    ``prior_prec I + S C^-1 S``: the eigenvalues ``g = mu^2 / (s^2 mu + tau^2)`` of its
+    likelihood part turned back into ``mu = (s^2 g + sqrt(s^4 g^2 + 4 tau^2 g)) / 2``."""
+    dim = prec.shape[-1]
+    g_, V = jnp.linalg.eigh(prec - prior_prec * jnp.eye(dim, dtype=prec.dtype))
+    g_ = jnp.maximum(g_, 0.0)
+    mu = 0.5 * (noise_var * g_ + jnp.sqrt((noise_var * g_) ** 2 + 4 * stat_noise_var * g_))
+    return (V * (mu / noise_var)) @ V.T + prior_prec * jnp.eye(dim, dtype=prec.dtype)
+
+
 def mean_noise_variance(chol: Array, mean: Array, features: Array, stat_noise_var: Array | float,
-                        noise_var: Array | float) -> Array:
+                        noise_var: Array | float, projection: bool = True) -> Array:
     """``phi*^T Cov_noise(m) phi*`` for each row of ``features (n, D)``, with
     ``Cov_noise(m) = tau^2 / s^4 A^-1 ((1 + ||m||^2) I + m m^T - diag(m * m)) A^-1``
     (module docstring); ``chol``: the lower Cholesky factor of ``A``, ``mean``: ``m``,
-    ``stat_noise_var``: ``tau^2``, ``noise_var``: ``s^2``."""
+    ``stat_noise_var``: ``tau^2``, ``noise_var``: ``s^2``. ``projection=False`` leaves out
+    the projection's noise (the ``1``): for the mean of :func:`noise_aware_posterior`, whose
+    likelihood accounts for it, with ``chol`` the factor of :func:`plug_in_precision` (the
+    scatter noise's first-order effect)."""
     h = jsl.cho_solve((chol, True), features.T)  # A^-1 phi*  (D, n)
     m2 = mean**2
-    quad = ((1.0 + jnp.sum(m2)) * jnp.sum(h**2, axis=0) + (mean @ h) ** 2
+    quad = ((float(projection) + jnp.sum(m2)) * jnp.sum(h**2, axis=0) + (mean @ h) ** 2
             - jnp.sum(m2[:, None] * h**2, axis=0))
     return stat_noise_var / noise_var**2 * quad
 
@@ -305,4 +355,18 @@ def predict_posterior(nat1: Array, prec: Array, features: Array, noise: Array | 
     mean, chol = exact.solve(prec, nat1)
     half = jsl.solve_triangular(chol, features.T, lower=True)
     extra = mean_noise_variance(chol, mean, features, stat_noise_var, noise**2)
+    return features @ mean, jnp.sum(half**2, axis=0) + noise**2 + extra
+
+
+def predict_noise_aware(post: g.FullGaussian, features: Array, noise: Array | float,
+                        prior_scale: Array | float, stat_noise_var: Array | float
+                        ) -> tuple[Array, Array]:
+    """The predictive mean and variance (observation noise included) of
+    :func:`noise_aware_posterior` ``post``, the variance with the scatter noise's first-order
+    effect on the mean (:func:`mean_noise_variance` at :func:`plug_in_precision`)."""
+    mean, chol = exact.solve(post.prec, post.nat1)
+    half = jsl.solve_triangular(chol, features.T, lower=True)
+    plug = plug_in_precision(post.prec, 1 / prior_scale**2, noise**2, stat_noise_var)
+    extra = mean_noise_variance(g.jittered_cholesky(plug), mean, features,
+                                stat_noise_var, noise**2, projection=False)
     return features @ mean, jnp.sum(half**2, axis=0) + noise**2 + extra

@@ -20,9 +20,10 @@ rounds change nothing.
 Private statistics (``Settings.privacy``, a :class:`fedppl.dp_statistics.Mechanism`): at every
 evaluation each client clips its features and targets and adds Gaussian noise to each kernel's
 statistics with its own round key (kept in :class:`ClientState`), so they leave it noised; the
-server projects every summed scatter matrix onto the PSD cone before forming the last layers
-and records in ``ServerState.repaired`` how many eigenvalues it raised
-(:mod:`fedppl.dp_statistics`). The phase-1 kernels are not privatised.
+server projects every summed scatter matrix onto the PSD cone and forms the last layers with
+the noise in the projections weighed in their likelihood
+(:func:`fedppl.dp_statistics.noise_aware_posterior`); it records in ``ServerState.repaired``
+how many eigenvalues it raised. The phase-1 kernels are not privatised.
 
 Example (two clients, two rounds of FedAvg, the last layer at the planned last round)::
 
@@ -258,12 +259,17 @@ def _layer_stats(stats: exact.Stats, shared: bool) -> tuple[exact.Stats, exact.S
     return total, own, which
 
 
-def _layers(total: exact.Stats, own: exact.Stats, which: Array, kernels: BNRParams
-            ) -> LastLayer:
-    glob = jax.vmap(exact.posterior)(total, kernels.noise, kernels.prior_scale)
+def _layers(total: exact.Stats, own: exact.Stats, which: Array, kernels: BNRParams,
+            noise_var: tuple[Array | float, Array | float] | None = None) -> LastLayer:
+    """The last layers; ``noise_var``: the privacy noise's variance on each entry of the
+    summed and of each client's own statistics (None: exact statistics)."""
     mine = trees.index(kernels, which)
-    local = jax.vmap(exact.posterior)(own, mine.noise, mine.prior_scale)
-    return LastLayer(glob, local)
+    if noise_var is None:
+        glob = jax.vmap(exact.posterior)(total, kernels.noise, kernels.prior_scale)
+        return LastLayer(glob, jax.vmap(exact.posterior)(own, mine.noise, mine.prior_scale))
+    post = jax.vmap(dp_statistics.noise_aware_posterior, in_axes=(0, 0, 0, None))
+    return LastLayer(post(total, kernels.noise, kernels.prior_scale, noise_var[0]),
+                     post(own, mine.noise, mine.prior_scale, noise_var[1]))
 
 
 def last_layers(stats: exact.Stats, kernels: BNRParams, shared: bool) -> LastLayer:
@@ -271,15 +277,19 @@ def last_layers(stats: exact.Stats, kernels: BNRParams, shared: bool) -> LastLay
     return _layers(*_layer_stats(stats, shared), kernels)
 
 
-def private_last_layers(stats: exact.Stats, kernels: BNRParams, shared: bool
-                        ) -> tuple[LastLayer, Array]:
-    """:func:`last_layers` from noised statistics: every summed scatter matrix (and each
-    client's own) projected onto the PSD cone first (:func:`fedppl.dp_statistics.repair_scatter`),
-    so each precision is at least the prior's; also returns how many eigenvalues were raised."""
+def private_last_layers(stats: exact.Stats, kernels: BNRParams, shared: bool,
+                        noise_std: Array | float) -> tuple[LastLayer, Array]:
+    """:func:`last_layers` from noised statistics (``noise_std`` on each entry of each client's):
+    every summed scatter matrix (and each client's own) projected onto the PSD cone first
+    (:func:`fedppl.dp_statistics.repair_scatter`), the noise in the projections weighed in the
+    likelihood (:func:`fedppl.dp_statistics.noise_aware_posterior`); also returns how many
+    eigenvalues were raised."""
     total, own, which = _layer_stats(stats, shared)
     S_total, n_total = dp_statistics.repair_scatter(total.scatter)
     S_own, n_own = dp_statistics.repair_scatter(own.scatter)
-    layer = _layers(total._replace(scatter=S_total), own._replace(scatter=S_own), which, kernels)
+    K = stats.count.shape[0]
+    layer = _layers(total._replace(scatter=S_total), own._replace(scatter=S_own), which, kernels,
+                    (K * noise_std**2, noise_std**2))
     return layer, (jnp.sum(n_total) + jnp.sum(n_own)).astype(int)
 
 
@@ -295,8 +305,8 @@ def predict(kernels: BNRParams, posteriors: g.FullGaussian, omega: Array, X: Arr
             stat_noise_var: Array | None = None) -> tuple[Array, Array]:
     """Predictive means and variances (noise included), ``(models, n)`` each;
     ``stat_noise_var`` (models,): the variance of the privacy noise on each entry of each
-    model's summed statistics, whose effect on the mean the variances then include
-    (:func:`fedppl.dp_statistics.mean_noise_variance`)."""
+    model's summed statistics: the variances then include the scatter noise's effect on the
+    mean of a private run's posteriors (:func:`fedppl.dp_statistics.predict_noise_aware`)."""
     def one(p, post):
         return exact.predict(post, urk_features(p.kernel, omega, X), p.noise)
 
@@ -304,8 +314,8 @@ def predict(kernels: BNRParams, posteriors: g.FullGaussian, omega: Array, X: Arr
         return jax.vmap(one)(kernels, posteriors)
 
     def noisy(p, post, tau2):
-        return dp_statistics.predict_posterior(post.nat1, post.prec,
-                                               urk_features(p.kernel, omega, X), p.noise, tau2)
+        return dp_statistics.predict_noise_aware(post, urk_features(p.kernel, omega, X),
+                                                 p.noise, p.prior_scale, tau2)
 
     return jax.vmap(noisy)(kernels, posteriors, stat_noise_var)
 
@@ -425,7 +435,8 @@ def _server_update(settings: Settings, last_layer: str, server: ServerState,
         if settings.privacy is None:
             layer, repaired = last_layers(stats, kernels, settings.shared), jnp.asarray(0, int)
         else:
-            layer, repaired = private_last_layers(stats, kernels, settings.shared)
+            layer, repaired = private_last_layers(stats, kernels, settings.shared,
+                                                  settings.privacy.noise_std)
         score = _score(layer, kernels, settings, last_layer, server.omega, server.validation)
         usable = exact.all_finite(stats)
         return layer, jnp.where(usable, score, jnp.inf), usable, repaired

@@ -29,8 +29,9 @@ Private statistics (``privacy``, a :class:`fedppl.dp_statistics.Mechanism`, in
 Gaussian noise with its own key, so the statistics leave it noised; the server
 then accepts every finite, symmetric message (a noised ``A_k`` need not be PSD, nor ``N_k``
 positive), projects the sum onto the PSD cone and records in ``ServerState.repaired`` how many
-eigenvalues it raised (:mod:`fedppl.dp_statistics`). :func:`predict`'s ``stat_noise_var`` widens
-the variance by the noise's effect on the mean. The FedAvg rounds are not privatised.
+eigenvalues it raised (:mod:`fedppl.dp_statistics`). :func:`predict`'s ``stat_noise_var`` weighs
+the projection's noise in q(u)'s likelihood and widens the variance by the scatter noise's
+effect on the mean. The FedAvg rounds are not privatised.
 
 Example (what :class:`fedppl.FSGP` runs: a FedAvg round, then the aggregation round)::
 
@@ -294,34 +295,46 @@ def make_trio(optimizer: optax.GradientTransformation, steps: int,
 # -- prediction from the summed statistics -------------------------------------------------------
 
 
-def _posterior(params: FSGPParams, stats: exact.Stats, jitter: float) -> sparse_gp.Whitened:
-    """q(u): the prior times the factor of all clients' data, from the whitened sums."""
+def _posterior(params: FSGPParams, stats: exact.Stats, jitter: float,
+               stat_noise_var: Array | float | None = None) -> sparse_gp.Whitened:
+    """q(u): the prior times the factor of all clients' data, from the whitened sums (with
+    ``stat_noise_var``, the noise in the projection weighed in the factor:
+    :func:`fedppl.dp_statistics.noise_aware_factor`)."""
     s2 = params.hyper.noise_var
     L = jnp.linalg.cholesky(kuu(params, jitter))
-    return sparse_gp.posterior(L, stats.scatter / s2, stats.proj / s2)
+    if stat_noise_var is None:
+        return sparse_gp.posterior(L, stats.scatter / s2, stats.proj / s2)
+    nat1, prec = dp_statistics.noise_aware_factor(stats.scatter, stats.proj, s2, stat_noise_var)
+    return sparse_gp.posterior(L, prec, nat1)
 
 
 def predict(params: FSGPParams, stats: exact.Stats, X: Array, jitter: float = DEFAULT_JITTER,
-            stat_noise_var: Array | float | None = None) -> tuple[Array, Array]:
+            stat_noise_var: Array | float | None = None, noise_aware: bool = True
+            ) -> tuple[Array, Array]:
     """DTC/SGPR predictive mean and variance of ``y`` (noise included) from summed statistics.
 
     ``stat_noise_var``: the variance of the privacy noise on each entry of the summed (whitened)
-    statistics; the variance then adds the noise's effect on the mean ``w*^T v``, with
-    ``w* = L^-1 k(Z, x*)``, ``v = A^-1 b / s^2`` and ``A = I + S / s^2`` in whitened coordinates
+    statistics. q(u) then weighs the projection's noise in its likelihood
+    (:func:`fedppl.dp_statistics.noise_aware_factor`), and with ``noise_aware`` the variance
+    adds the first-order effect of the scatter's noise on the mean ``w*^T v``, with
+    ``w* = L^-1 k(Z, x*)`` and ``A = I + S / s^2`` in whitened coordinates
     (:func:`fedppl.dp_statistics.mean_noise_variance`)."""
     hyper = params.hyper
-    post = _posterior(params, stats, jitter)
+    post = _posterior(params, stats, jitter, stat_noise_var)
     Kxz = hyper.kernel(X, params.inducing)
     mean, var = sparse_gp.predict_f(post, Kxz, jnp.full(X.shape[0], hyper.variance))
-    if stat_noise_var is not None:
-        v = jsl.cho_solve((post.C, True), stats.proj / hyper.noise_var)  # A = C C^T
+    if stat_noise_var is not None and noise_aware:
+        v = jsl.cho_solve((post.C, True), post.c)  # A = C C^T
         features = jsl.solve_triangular(post.L, Kxz.T, lower=True).T
-        var = var + dp_statistics.mean_noise_variance(post.C, v, features, stat_noise_var,
-                                                      hyper.noise_var)
+        M = stats.proj.shape[-1]
+        plug = jnp.linalg.cholesky(jnp.eye(M, dtype=v.dtype) + stats.scatter / hyper.noise_var)
+        var = var + dp_statistics.mean_noise_variance(plug, v, features, stat_noise_var,
+                                                      hyper.noise_var, projection=False)
     return mean, var + hyper.noise_var
 
 
-def inducing_posterior(params: FSGPParams, stats: exact.Stats, jitter: float = DEFAULT_JITTER
-                       ) -> tuple[Array, Array]:
-    """Mean and covariance of the inducing outputs ``u = f(Z)`` (Titsias' optimal q(u))."""
-    return sparse_gp.moments(_posterior(params, stats, jitter))
+def inducing_posterior(params: FSGPParams, stats: exact.Stats, jitter: float = DEFAULT_JITTER,
+                       stat_noise_var: Array | float | None = None) -> tuple[Array, Array]:
+    """Mean and covariance of the inducing outputs ``u = f(Z)`` (Titsias' optimal q(u); with
+    ``stat_noise_var``, from noised statistics as in :func:`predict`)."""
+    return sparse_gp.moments(_posterior(params, stats, jitter, stat_noise_var))

@@ -106,14 +106,13 @@ class FSGPResult(Result):
 
     def predict(self, X: Any, noise_aware: bool = True) -> tuple[Array, Array]:
         """Predictive mean and variance of ``y`` (observation noise included) at ``X (n, D)``;
-        in a private run the variance includes the privacy noise's effect on the mean unless
-        ``noise_aware=False``."""
+        in a private run q(u) weighs the noise in the statistics' projection in its likelihood,
+        and the variance includes the scatter noise's effect on the mean unless
+        ``noise_aware=False`` (:func:`fedppl.algorithms.fsgp.predict`)."""
         X = chk.check_inputs(X, self.params.inducing.shape[1])
-        if self.privacy is None or not noise_aware:
-            mean, var = _predict(self.params, self.stats, jnp.asarray(X), self.jitter)
-        else:
-            mean, var = _predict(self.params, self.stats, jnp.asarray(X), self.jitter,
-                                 self.privacy["stat_noise_var"])
+        tau2 = None if self.privacy is None else self.privacy["stat_noise_var"]
+        mean, var = _predict(self.params, self.stats, jnp.asarray(X), self.jitter, tau2,
+                             noise_aware)
         if not bool(jnp.all(jnp.isfinite(mean)) & jnp.all(jnp.isfinite(var))):
             h = self.params.hyper
             cond = np.linalg.cond(np.asarray(alg.kuu(self.params, self.jitter)))
@@ -161,7 +160,8 @@ class FSGPResult(Result):
         from fedppl.arviz import check_num_samples
 
         key = jax.random.key(0) if rng_key is None else rng_key
-        mean, cov = alg.inducing_posterior(self.params, self.stats, self.jitter)
+        tau2 = None if self.privacy is None else self.privacy["stat_noise_var"]
+        mean, cov = alg.inducing_posterior(self.params, self.stats, self.jitter, tau2)
         u = jax.random.multivariate_normal(key, mean, cov, (check_num_samples(num_samples),))
         h = self.params.hyper
         constant = {"lengthscale": h.lengthscale, "variance": h.variance, "noise": h.noise,
@@ -171,7 +171,7 @@ class FSGPResult(Result):
             "final_bound": float(self.history["bound"][-1])})
 
 
-_predict = jax.jit(alg.predict, static_argnames=("jitter",))
+_predict = jax.jit(alg.predict, static_argnames=("jitter", "noise_aware"))
 _bounds = jax.jit(jax.vmap(alg.bound, in_axes=(None, 0, 0, 0, None)), static_argnums=4)
 
 
