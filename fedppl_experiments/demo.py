@@ -110,7 +110,8 @@ def _on_flower(runtime: str, config: dict[str, Any]) -> PVIResult:
     state = task.method.init(jax.random.key(task.seed), clients)
     server = jax.tree_util.tree_unflatten(jax.tree_util.tree_structure(state.server),
                                           [jnp.asarray(a) for a in leaves])
-    return task.method._result(state._replace(server=server),
+    assert state.plan is not None  # init's state
+    return state.plan.result(state._replace(server=server),
                                {k: np.asarray(v, float) for k, v in history.items()}, [])
 
 

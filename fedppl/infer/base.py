@@ -63,7 +63,7 @@ from fedppl import validation
 from fedppl.algorithms.trio import Trio, sent
 from fedppl.clients import Clients
 from fedppl.infer.round_log import Progress
-from fedppl.runtime.embedded import make_round
+from fedppl.runtime.embedded import Runtime, make_round
 
 __all__ = ["RunState", "RunLog", "Plan", "Runtime", "EMBEDDED", "Result", "FederatedMethod",
            "clear_compiled",
@@ -71,19 +71,6 @@ __all__ = ["RunState", "RunLog", "Plan", "Runtime", "EMBEDDED", "Result", "Feder
 
 COMMON_HISTORY = ("round", "seconds", "messages_up", "messages_down", "bytes_up", "bytes_down",
                   "rejected")
-
-
-class Runtime(NamedTuple):
-    """Who runs a plan's rounds: ``make_round(trio, schedule) -> round function`` (of
-    :func:`fedppl.runtime.make_round`'s signature), and whether the server holds the clients'
-    data (False on a deployment, whose server set up on stand-ins: history columns that need
-    the data, such as a global ELBO or a bound, are then left out, and a set-up that reads data
-    values is refused). ``init`` and ``run`` take one as ``runtime=`` (None: :data:`EMBEDDED`; a
-    bare ``runtime(trio, schedule)`` callable, such as :class:`fedppl.runtime.faults.Faults`,
-    counts as one whose server holds the data)."""
-
-    make_round: Callable[[Trio, str], Callable]
-    data_at_server: bool = True
 
 
 @lru_cache(maxsize=32)
@@ -124,16 +111,16 @@ def clear_compiled() -> None:
 
 
 def as_runtime(runtime: Any) -> Runtime:
-    """``runtime=`` as a :class:`Runtime`: None is :data:`EMBEDDED`; a callable
-    ``runtime(trio, schedule)`` is one whose server holds the data (unless it has an attribute
-    ``data_at_server`` that says otherwise)."""
+    """``runtime=`` as a :class:`Runtime`: None is :data:`EMBEDDED`; a bare callable
+    ``runtime(trio, schedule)`` is one whose server holds the data (a runtime whose server does
+    not is a ``Runtime(make_round, data_at_server=False)``)."""
     if runtime is None:
         return EMBEDDED
     if isinstance(runtime, Runtime):
         return runtime
     if callable(runtime):
-        return Runtime(runtime, bool(getattr(runtime, "data_at_server", True)))
-    raise TypeError(f"runtime must be a fedppl.infer.base.Runtime or a function (trio, schedule)"
+        return Runtime(runtime)
+    raise TypeError(f"runtime must be a fedppl.runtime.Runtime or a function (trio, schedule)"
                     f" -> round function, got {type(runtime).__name__}")
 
 
@@ -295,19 +282,11 @@ class FederatedMethod:
 
     A method's settings live on the object; everything a run needs lives in its
     :class:`RunState` (the :class:`Plan` and the :class:`RunLog`), so ``update(state)`` depends
-    on the state alone. A subclass provides its plan, either whole:
+    on the state alone. A subclass provides its plan:
 
     * ``_plan(rng_key, clients, *, data_at_server, **kwargs) -> Plan`` (``rng_key`` the run's
-      key: the plan says which key its rounds start from);
-
-    or through the older hooks, which the default ``_plan`` assembles (the set-up drawing from
-    the second half of ``jax.random.split(rng_key)``):
-
-    * ``_setup(rng_key, clients, *, data_at_server, **kwargs) -> (trio, schedule, server,
-      client_states)``;
-    * ``_record(before, after, messages, replies, active, rng_key) -> dict`` (its own history
-      columns; ``rng_key`` for estimates such as an ELBO);
-    * ``_result(state, history, rejected) -> Result``;
+      key: the plan says which key its rounds start from; its ``record`` and ``result`` say how
+      a round's messages become history columns and the final state a result);
 
     and may override ``_refused(replies, active) -> (K,) booleans`` (updates the server did not
     accept), ``_round_inputs`` (keys and participants), ``_message_bytes`` and
@@ -331,30 +310,11 @@ class FederatedMethod:
 
     def _plan(self, rng_key: Array, clients: Clients, *, data_at_server: bool = True,
               **kwargs: Any) -> Plan:
-        """The plan from the older hooks (``_setup``, ``_record``, ``_result``)."""
-        rng_key, k_setup = jax.random.split(rng_key)
-        trio, schedule, server, cstates = self._setup(k_setup, clients,
-                                                      data_at_server=data_at_server, **kwargs)
-
-        def record(before, after, msgs, replies, active, key):
-            return None, self._record(before, after, msgs, replies, active, key)
-
-        return Plan(trio, schedule, server, cstates, record, self._result, rng_key=rng_key)
-
-    def _setup(self, rng_key: Array, clients: Clients, *, data_at_server: bool = True,
-               **kwargs: Any) -> tuple[Trio, str, Any, Any]:
-        raise NotImplementedError
-
-    def _record(self, before: RunState, after: RunState, messages: Any, replies: Any,
-                active: np.ndarray, rng_key: Array) -> dict[str, Any]:
-        return {}
+        """The run's plan, before its first round (each method provides it)."""
+        raise NotImplementedError(f"{type(self).__name__} provides no plan")
 
     def _refused(self, replies: Any, active: np.ndarray) -> np.ndarray:
         return np.zeros(len(active), bool)
-
-    def _result(self, state: RunState, history: dict[str, np.ndarray],
-                rejected: list[tuple[int, str, str]]) -> Result:
-        raise NotImplementedError
 
     def _message_bytes(self, messages: Any) -> int:
         """Bytes of one client's message (messages stacked on the client axis)."""
@@ -396,7 +356,7 @@ class FederatedMethod:
         for old in ("runtime", "data_at_server"):  # attributes an earlier version read
             if old in vars(self):
                 raise TypeError(f"{type(self).__name__}.{old} is not read: pass the runtime to "
-                                "init or run (runtime=..., see fedppl.infer.base.Runtime)")
+                                "init or run (runtime=..., see fedppl.runtime.Runtime)")
         data_at_server = as_runtime(runtime).data_at_server
         plan = self._plan(rng_key, clients, data_at_server=data_at_server, **kwargs)
         return plan._replace(names=clients.names, data_at_server=data_at_server,

@@ -38,7 +38,7 @@ from jax import Array
 from fedppl import validation as v
 from fedppl.algorithms import pfedmul as pm
 from fedppl.clients import Clients
-from fedppl.infer.base import FederatedMethod, Result, RunState, shared
+from fedppl.infer.base import FederatedMethod, Plan, Result, RunState, shared
 from fedppl.models import mogp
 from fedppl.models.mogp import Data, Hyper, MOGPSpec
 from fedppl.models.networks import MLP
@@ -252,8 +252,8 @@ class PFedMul(FederatedMethod):
         state = super().init(rng_key, clients, inducing_key=k_inducing, runtime=runtime)
         return state._replace(rng_key=k_rounds)
 
-    def _setup(self, rng_key: Array, clients: Clients, inducing_key: Array,
-               data_at_server: bool = True):
+    def _plan(self, rng_key: Array, clients: Clients, *, inducing_key: Array,
+              data_at_server: bool = True) -> Plan:
         sizes = clients.sizes
         M = min(self.num_inducing, int(sizes.min()))
         if self.num_inducing > M and np.any(sizes < self.num_inducing) and \
@@ -267,7 +267,8 @@ class PFedMul(FederatedMethod):
                        for k in range(clients.num_clients)])
         server = pm.init_server(self.config, self.hyper)
         cstates = pm.init_clients(self.config, self.hyper, Z, clients.max_size)
-        return self._trio, self.schedule, server, cstates
+        return Plan(self._trio, self.schedule, server, cstates, self._row, self._result,
+                    rng_key=rng_key)  # init replaces the rounds' key
 
     def _round_inputs(self, state: RunState):
         K = state.masks.shape[0]
@@ -282,10 +283,10 @@ class PFedMul(FederatedMethod):
     def _refused(self, replies: Array, active: np.ndarray) -> np.ndarray:
         return ~np.asarray(replies, bool)
 
-    def _record(self, before, after, msgs, replies, active, rng_key) -> dict[str, Any]:
+    def _row(self, before, after, msgs, replies, active, rng_key) -> tuple[None, dict[str, Any]]:
         ok = np.asarray(replies, bool) & active
         elbo = np.asarray(msgs.elbo, float)
-        return {"elbo": float(np.mean(elbo[ok])) if ok.any() else np.nan,
+        return None, {"elbo": float(np.mean(elbo[ok])) if ok.any() else np.nan,
                 "client_elbo": np.where(active, elbo, np.nan),
                 "exact_elbo": float(_exact_elbo(self.spec, after.clients, after.data,
                                                 after.masks))

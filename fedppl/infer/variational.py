@@ -242,7 +242,7 @@ class PVI(FederatedMethod):
         ``tol`` stops early, after the first round in which q moved by ``KL(q_new || q_old) <=
         tol`` (the ``kl_change`` history entry; the run then writes one line saying so and
         keeps it as ``result.stopped``). ``runtime`` runs the rounds (None: the embedded
-        runtime; see :class:`fedppl.infer.base.Runtime`). Other keyword arguments are the
+        runtime; see :class:`fedppl.runtime.Runtime`). Other keyword arguments are the
         model's own static keyword arguments (``n_groups=...``), passed to every call of the
         model.
         """

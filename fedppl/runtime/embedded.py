@@ -71,8 +71,8 @@ from jax import Array
 from fedppl import trees
 from fedppl.algorithms.trio import Trio, sent
 
-__all__ = ["make_round", "SCHEDULES", "ClientMap", "VMAP", "LOOP", "host_map", "host_scan",
-           "host_cond"]
+__all__ = ["make_round", "Runtime", "SCHEDULES", "ClientMap", "VMAP", "LOOP", "host_map",
+           "host_scan", "host_cond"]
 
 SCHEDULES = ("sequential", "synchronous", "loop")
 
@@ -109,6 +109,20 @@ class ClientMap(NamedTuple):
     scan: Callable = jax.lax.scan
     cond: Callable = jax.lax.cond
     compiled: bool = True
+
+
+class Runtime(NamedTuple):
+    """Who runs a plan's rounds: ``make_round(trio, schedule) -> round function`` (of
+    :func:`fedppl.runtime.make_round`'s signature), and whether the server holds the clients'
+    data (False on a deployment, whose server set up on stand-ins: history columns that need
+    the data, such as a global ELBO or a bound, are then left out, and a set-up that reads data
+    values is refused). ``init`` and ``run`` take one as ``runtime=`` (None: the embedded
+    runtime, ``fedppl.infer.base.EMBEDDED``; a
+    bare ``runtime(trio, schedule)`` callable, such as :class:`fedppl.runtime.faults.Faults`,
+    counts as one whose server holds the data)."""
+
+    make_round: Callable[[Trio, str], Callable]
+    data_at_server: bool = True
 
 
 def make_round(trio: Trio, schedule: str, client_map: ClientMap | None = None) -> RoundFn:

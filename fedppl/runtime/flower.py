@@ -76,7 +76,7 @@ try:
 except ImportError as err:  # pragma: no cover - the extra is installed by make test
     raise ImportError("fedppl.runtime.flower needs Flower: pip install 'fedppl[flower]'") from err
 
-from fedppl.runtime.embedded import ClientMap, host_map, make_round
+from fedppl.runtime.embedded import ClientMap, Runtime, host_map, make_round
 from fedppl.runtime.flower_node import Node, secure_form, secure_request
 from fedppl.runtime.flower_wire import (
     flower_log,
@@ -346,7 +346,7 @@ class _Server:
     def _who(self, k: int) -> str:
         return f"{self.names[k]} (node {self.node_of[k]})"
 
-    def _runtime(self, stand_in: Clients) -> Callable:
+    def _runtime(self, stand_in: Clients) -> Runtime:
         """The runtime whose rounds are :func:`~fedppl.runtime.embedded.make_round`'s, their
         clients reached over Flower (:meth:`_clients`), with what this server keeps between
         rounds around each: the set-up of the nodes, the replies they have not confirmed, what
@@ -374,9 +374,7 @@ class _Server:
 
             return round_fn
 
-        # the server holds stand-ins, not the clients' data (fedppl.infer.base.Runtime)
-        runtime.data_at_server = False  # type: ignore[attr-defined]
-        return runtime
+        return Runtime(runtime, data_at_server=False)  # the server holds stand-ins
 
     def _clients(self) -> ClientMap:
         """The clients as a round reaches them here: a ``train`` exchange for the clients'

@@ -25,6 +25,7 @@ except ImportError as err:  # pragma: no cover - the extra is installed by make 
     raise ImportError("fedppl.runtime.flower_node needs Flower: pip install 'fedppl[flower]'"
                       ) from err
 
+from fedppl.runtime.embedded import Runtime
 from fedppl.runtime.flower_wire import pack, shapes, unflatten, unpack
 from fedppl.runtime.secagg import requested, summand_content
 from fedppl.runtime.task import Task
@@ -104,13 +105,16 @@ class Node:
         if "num_rounds" in inspect.signature(method.init).parameters:
             kwargs["num_rounds"] = self.task.num_rounds  # the server's planned rounds (FedBNR)
 
-        def no_rounds(trio: Any, schedule: str) -> None:  # a node runs no round of its own
-            return None
+        def no_rounds(trio: Any, schedule: str) -> Callable:  # a node runs no round of its own
+            def refuse(*args: Any) -> Any:
+                raise RuntimeError("a Flower node runs no round of its own")
+
+            return refuse
 
         # planned on the server's kind of runtime (one whose server holds no data), so that
         # what a method chooses by the runtime (PVI's line search) gives the server's trio
-        no_rounds.data_at_server = False  # type: ignore[attr-defined]
-        state = method.init(jax.random.key(self.task.seed), clients, runtime=no_rounds, **kwargs)
+        state = method.init(jax.random.key(self.task.seed), clients,
+                            runtime=Runtime(no_rounds, data_at_server=False), **kwargs)
         return {"trio": state.plan.trio, "server": state.server, "clients": state.clients}
 
     def _build(self, rows: int) -> _Built:

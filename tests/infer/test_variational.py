@@ -242,7 +242,7 @@ def test_loop_schedule_matches_vmap_with_dropouts(logistic_data):
 
 # -- the line search: which runs score candidates, and the exchanges a deployment makes -------
 
-# a runtime whose server holds no data, as Flower's (fedppl.infer.base.Runtime), run embedded
+# a runtime whose server holds no data, as Flower's (fedppl.runtime.Runtime), run embedded
 DEPLOYED = Runtime(embedded_round, data_at_server=False)
 
 
