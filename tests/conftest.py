@@ -128,6 +128,7 @@ SLOW_FILES = (
     "tests/runtime/test_flower_simulation_faults.py",
     "tests/algorithms/test_natural_gradient.py",
     "tests/pyro/test_flower.py",
+    "tests/test_hierarchical_users.py",
     "tests/test_local_sites.py",
     "tests/test_arviz.py",
     "tests/algorithms/test_dp_pvi.py",
