@@ -80,7 +80,7 @@ from fedppl.handlers.client import client
 from fedppl.sites import cast_floats
 
 __all__ = ["LocalResult", "NaturalGradientSolver", "PriorSolver", "base_draws",
-           "expected_log_lik", "held_coordinates", "log_lik_fn", "round_off"]
+           "depends_on", "expected_log_lik", "held_coordinates", "log_lik_fn", "round_off"]
 
 STEP_HALVINGS = 11
 MIN_STEP = 2.0**-20  # a solve whose step size fell below this stops, reported as not converged
@@ -163,7 +163,7 @@ def log_lik_fn(model: Callable, guide: PVIGuide, data: tuple, mask: Array
         return _observed(trace(phi, seed), dtype)
 
     dtype = layout.dtype
-    touched = _touched(observed, D, loc.dim, dtype)
+    touched = depends_on(observed, D + loc.dim, dtype)[D:]
 
     def log_lik(phi: Array, seed: Array | int = 0) -> Array:
         tr = trace(phi, seed)
@@ -202,16 +202,16 @@ def held_coordinates(model: Callable, guide: PVIGuide, data: tuple, mask: Array)
         values.update(loc.constrain(phi[D:]))
         return _observed(_trace(client(model, mask=mask, draw=seed), values, data), dtype)
 
-    return _touched(observed, D, loc.dim, dtype)
+    return depends_on(observed, D + loc.dim, dtype)[D:]
 
 
-def _touched(observed: Callable[[Array, int], Array], D: int, d: int, dtype) -> Array:
-    """Which of the ``d`` local coordinates after the ``D`` global ones the observed term
-    depends on: its gradient there at two points."""
-    probe = [jnp.concatenate([jnp.full(D, c, dtype), c + 0.05 * jnp.arange(d, dtype=dtype)])
-             for c in (0.1, -0.3)]
-    grads = [jnp.abs(jax.grad(observed)(p, 0)[D:]) for p in probe]
-    return sum(grads[1:], grads[0]) > 0
+def depends_on(f: Callable[[Array, int], Array], dim: int, dtype) -> Array:
+    """``(dim,)`` booleans: the coordinates of ``phi`` that ``f(phi, 0)`` depends on (its
+    gradient at two generic points); a client's log-likelihood does not depend on the
+    coordinates of groups it holds no data for."""
+    probe = [c + 0.05 * jnp.arange(dim, dtype=dtype) for c in (0.1, -0.3)]
+    grads = [jnp.abs(jax.grad(f)(p, 0)) for p in probe]
+    return (grads[0] + grads[1]) > 0
 
 
 def data_dtype(data: tuple):

@@ -126,15 +126,11 @@ def hint_local_sites(guide: PVIGuide, clients: Clients, model_kwargs: dict) -> N
 
 
 def _touched(model: Callable, guide: PVIGuide, data: tuple, masks: Array) -> Array:
-    """``(K, D)``: the global coordinates each client's observed log-likelihood depends on
-    (its gradient at two points)."""
-    D, dtype = guide.layout_or_raise().dim, guide.layout_or_raise().dtype
+    """``(K, D)``: the global coordinates each client's observed log-likelihood depends on."""
+    layout = guide.layout_or_raise()
 
     def one(d, m):
-        log_lik = natural_gradient.log_lik_fn(model, guide, d, m)
-        grads = [jnp.abs(jax.grad(log_lik)(jnp.full(D, c, dtype) + 0.05 * jnp.arange(D,
-                                                                                    dtype=dtype)))
-                 for c in (0.1, -0.3)]
-        return (grads[0] + grads[1]) > 0
+        return natural_gradient.depends_on(natural_gradient.log_lik_fn(model, guide, d, m),
+                                           layout.dim, layout.dtype)
 
     return jax.jit(jax.vmap(one))(data, masks)
