@@ -156,8 +156,7 @@ class PVIGuide:
         line = f"global sites {listed(layout)}"
         if self.local_layout is None:
             default = self.global_sites is None and self.local_sites is None
-            return line + (" (every latent site: the default; name global_sites or "
-                           "local_sites to keep sites at each client)" if default else "")
+            return line + (" (every latent site, the default)" if default else "")
         return line + f"; local to each client: {listed(self.local_layout)}"
 
     def structure(self) -> Array | None:
