@@ -95,6 +95,17 @@ REFUSALS = {
                  "dimension (Jeffreys divergence)",
     NOT_RECEIVED: "no message arrived (the client dropped out of the round)",
 }
+# Under secure aggregation (fedppl.algorithms.secure_pvi) a client judges its own delta as the
+# server would, and withholds it from the masked sum: its reply is OWN_CHECK plus the verdict
+# (BEYOND_NORM: a delta beyond the public norm bound, changed after the client clipped it).
+OWN_CHECK, BEYOND_NORM, SUM_HALTED = -10.0, -5.0, -6.0
+REFUSALS[SUM_HALTED] = ("secure aggregation halted: fewer clients answered than its threshold, "
+                        "so no sum")
+REFUSALS.update({OWN_CHECK + code: f"refused at the client before secure aggregation: {why}"
+                 for code, why in ((NOT_FINITE, "message not finite"),
+                                   (NOT_PD, "q would not be positive definite with it"),
+                                   (IMPLAUSIBLE, "implausible message (max_divergence)"),
+                                   (BEYOND_NORM, "beyond the secure sum's norm bound"))})
 
 
 class ServerState(NamedTuple):

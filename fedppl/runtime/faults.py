@@ -53,7 +53,7 @@ import numpy as np
 from fedppl.algorithms.trio import Trio
 from fedppl.runtime.embedded import make_round
 
-__all__ = ["Faults", "KINDS", "corrupt"]
+__all__ = ["Faults", "KINDS", "DROPPED", "corrupt", "corrupt_where"]
 
 #: The kinds of corrupted message :func:`corrupt` can make.
 KINDS = ("nan", "inf", "huge", "improper")
@@ -64,7 +64,7 @@ _CORRUPT: dict[str, Callable[[Any], Any]] = {
     "improper": lambda x: jnp.full_like(x, -1e12),
     "negated": lambda x: -x,
 }
-_DROPPED = 1  # a client's fault code: 0 none, 1 dropped, 2 + i the i-th of kinds
+DROPPED = 1  # a client's fault code: 0 none, 1 dropped, 2 + i the i-th of kinds
 
 
 def corrupt(message: Any, kind: str) -> Any:
@@ -77,6 +77,18 @@ def corrupt(message: Any, kind: str) -> Any:
         message)
 
 
+def corrupt_where(messages: Any, plan: Any, kinds: Sequence[str]) -> Any:
+    """Stacked ``messages`` (clients on axis 0) with client ``k``'s corrupted by the fault its
+    ``plan[k]`` code names (:meth:`Faults.draw`; a dropout or no fault leaves it as it is)."""
+    for i, kind in enumerate(kinds):
+        hit = plan == DROPPED + 1 + i
+        messages = jax.tree_util.tree_map(
+            lambda x, f=_CORRUPT[kind], hit=hit:
+            jnp.where(hit.reshape(hit.shape + (1,) * (x.ndim - 1)), f(x), x)
+            if jnp.issubdtype(x.dtype, jnp.inexact) else x, messages)
+    return messages
+
+
 @lru_cache(maxsize=16)
 def _faulty_round(trio: Trio, schedule: str, kinds: tuple[str, ...]) -> Callable:
     """The compiled round with a fault plan as its last argument (one per trio, schedule and
@@ -86,13 +98,8 @@ def _faulty_round(trio: Trio, schedule: str, kinds: tuple[str, ...]) -> Callable
     def faulty_round(server, clients, data, masks, keys, active, server_key, plan):
         def server_update(server, msgs, index, received, key, evaluate):
             code = plan[index]
-            for i, kind in enumerate(kinds):
-                hit = code == _DROPPED + 1 + i
-                msgs = jax.tree_util.tree_map(
-                    lambda x, f=_CORRUPT[kind], hit=hit:
-                    jnp.where(hit.reshape(hit.shape + (1,) * (x.ndim - 1)), f(x), x)
-                    if jnp.issubdtype(x.dtype, jnp.inexact) else x, msgs)
-            return trio.server_update(server, msgs, index, received & (code != _DROPPED),
+            msgs = corrupt_where(msgs, code, kinds)
+            return trio.server_update(server, msgs, index, received & (code != DROPPED),
                                       key, evaluate)
 
         inner = make_round(trio._replace(server_update=server_update), schedule)
@@ -121,21 +128,32 @@ class Faults:
         if not trio.jit or schedule == "loop":
             raise ValueError("Faults drives compiled trios on the synchronous and sequential "
                              f"schedules, not {schedule!r} or a host-side protocol")
-        self.events, rng = [], np.random.default_rng(self.seed)
-        kinds, count = self.kinds, [0]
-        faulty_round = _faulty_round(trio, schedule, kinds)
+        self.restart()
+        faulty_round = _faulty_round(trio, schedule, self.kinds)
 
         def round_fn(server, clients, data, masks, keys, active, server_key):
-            count[0] += 1
-            taking = np.asarray(active, bool)
-            u, which = rng.random(taking.shape), rng.integers(len(kinds), size=taking.shape)
-            dropped = taking & (u < self.dropout)
-            corrupted = taking & ~dropped & (u < self.dropout + (1 - self.dropout) * self.corrupt)
-            plan = np.where(dropped, _DROPPED, np.where(corrupted, _DROPPED + 1 + which, 0))
-            for k in np.nonzero(plan)[0]:
-                fault = "dropped" if plan[k] == _DROPPED else kinds[plan[k] - _DROPPED - 1]
-                self.events.append((count[0], int(k), fault))
             return faulty_round(server, clients, data, masks, keys, active, server_key,
-                                jnp.asarray(plan))
+                                jnp.asarray(self.draw(active)))
 
         return round_fn
+
+    def restart(self) -> None:
+        """A new run: the fault draws and ``events`` start again from ``seed``."""
+        self.events, self._rng, self._round = [], np.random.default_rng(self.seed), 0
+
+    def draw(self, active: Any) -> np.ndarray:
+        """The next round's fault plan: a code per client (0: none, :data:`DROPPED`, ``DROPPED
+        + 1 + i``: the ``i``-th of ``kinds``) for the clients taking part (``active``), kept in
+        ``events``. A runtime that drives the trio its own way (secure aggregation's
+        simulation) draws its faults here too."""
+        self._round += 1
+        taking = np.asarray(active, bool)
+        u, which = self._rng.random(taking.shape), self._rng.integers(len(self.kinds),
+                                                                      size=taking.shape)
+        dropped = taking & (u < self.dropout)
+        corrupted = taking & ~dropped & (u < self.dropout + (1 - self.dropout) * self.corrupt)
+        plan = np.where(dropped, DROPPED, np.where(corrupted, DROPPED + 1 + which, 0))
+        for k in np.nonzero(plan)[0]:
+            fault = "dropped" if plan[k] == DROPPED else self.kinds[plan[k] - DROPPED - 1]
+            self.events.append((self._round, int(k), fault))
+        return plan

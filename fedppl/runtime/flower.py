@@ -77,7 +77,7 @@ except ImportError as err:  # pragma: no cover - the extra is installed by make 
     raise ImportError("fedppl.runtime.flower needs Flower: pip install 'fedppl[flower]'") from err
 
 from fedppl.runtime.embedded import ClientMap, Runtime, host_map, make_round
-from fedppl.runtime.flower_node import Node, secure_form, secure_request
+from fedppl.runtime.flower_node import Node, secure_request
 from fedppl.runtime.flower_wire import (
     flower_log,
     is_key,
@@ -95,6 +95,7 @@ from fedppl.runtime.secagg import (
     share,
     size_of,
 )
+from fedppl.runtime.secure import secure_form
 from fedppl.runtime.task import Task
 from fedppl.trees import index, stack, zeros
 
@@ -443,10 +444,10 @@ class _Server:
     def _secure_train(self, server: Any, contents: dict[int, RecordDict], like: Any
                       ) -> dict[int, Any]:
         """A ``train`` exchange through SecAgg+: the server gets only the sum of the clients'
-        summands (their messages in the method's :class:`~fedppl.runtime.flower_node.SecureForm`)
+        summands (their messages in the method's :class:`~fedppl.runtime.secure.SecureForm`)
         and gives each client the sum covers the same message, one of ``n`` that the method's
         server update folds as it folds theirs."""
-        form = secure_form(self.task.method, like)
+        form = secure_form(self.task.method, like, self.task.secure)
         if len(contents) < 2:
             raise FlowerError(f"secure aggregation sums the messages of 2 or more clients; this "
                               f"round asks {len(contents)} (a sequential schedule?)")

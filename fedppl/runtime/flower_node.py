@@ -28,6 +28,8 @@ except ImportError as err:  # pragma: no cover - the extra is installed by make 
 from fedppl.runtime.embedded import Runtime
 from fedppl.runtime.flower_wire import pack, shapes, unflatten, unpack
 from fedppl.runtime.secagg import requested, summand_content
+from fedppl.runtime.secure import SecureForm as SecureForm  # where it was defined before
+from fedppl.runtime.secure import adds_noise, refusal, secure_form
 from fedppl.runtime.task import Task
 from fedppl.trees import index
 
@@ -221,7 +223,7 @@ class Node:
         client = self._acknowledge(built, content, meta)
         server = unflatten(content["server"], built.server)
         key = unpack(content["key"], jax.random.key(0), "the server", "key")
-        if _private(self.task.method):  # noise the server cannot regenerate from its key
+        if adds_noise(self.task.method):  # noise the server cannot regenerate from its key
             if "secret" not in meta:
                 meta["secret"] = secrets.randbits(31)
             key = jax.random.fold_in(key, int(meta["secret"]))
@@ -231,6 +233,8 @@ class Node:
             raise RuntimeError(f"fault injected: partition {self.partition} fails in round {rnd}")
         message, proposed = built.client_update(server, client, built.data, built.mask, key,
                                                 jnp.asarray(int(meta["index"])))
+        if secure is not None:  # what it keeps is what it sends (PVI: clipped)
+            message = _secure_prepared(self, server, message)
         self.context.state["fedppl.message"] = pack(message)
         self.context.state["fedppl.proposed"] = pack(proposed)
         meta["pending"] = rnd
@@ -291,56 +295,31 @@ def use_compilation_cache(path: str | os.PathLike) -> None:
 # -- secure aggregation (fedppl.runtime.secagg): the node's side ------------------------------
 
 
-class SecureForm(NamedTuple):
-    """How a method's ``train`` messages enter a secure sum: ``summand(server, message) ->
-    (summand, ok)`` on the node (``ok``: the server's own check of the message, made by the node,
-    as the server sees only the sum; ``check`` names it), and ``message(server, total, n)`` on
-    the server: one of ``n`` equal messages that the method's server update folds as it folds
-    the ``n`` messages whose summands add to ``total``."""
-
-    summand: Callable
-    message: Callable
-    check: str
-
-
-def secure_form(method: Any, like: Any) -> SecureForm:
-    """The secure form of ``method``'s messages (shaped as ``like``); a ``ValueError`` says why
-    a method has none: its server needs each client's message, not only their sum."""
-    from fedppl.algorithms import fedbnr, fsgp
-
-    name = getattr(method, "name", type(method).__name__)
-    if _private(method):
-        raise ValueError(f"{name} with privacy= and secure aggregation together is not "
-                         "supported: run one or the other")
-    if isinstance(like, fsgp.Message):
-        return SecureForm(fsgp.secure_summand, fsgp.secure_message,
-                          "finite parameters, plausible statistics")
-    if isinstance(like, fedbnr.KernelMessage):
-        kernel, layer = getattr(method, "kernel", "avg"), getattr(method, "last_layer", "global")
-        if kernel != "avg" or layer != "global":
-            raise ValueError(f"FedBNR with kernel={kernel!r} and last_layer={layer!r}: secure "
-                             "aggregation gives the server only sums, which serve the shared "
-                             "'avg' kernel and the global last layer ('kd' distils each "
-                             "client's kernel, 'local' keeps each client's own)")
-        return SecureForm(fedbnr.secure_summand, fedbnr.secure_message, "finite parameters")
-    raise ValueError(f"{name}'s server needs each client's message, not only their sum (PVI's "
-                     "judges each factor's change before it adds it), so secure aggregation "
-                     "(Task.secure) cannot serve it; it serves FSGP and FedBNR")
-
-
 _SUMMANDS: dict[Callable, Callable] = {}
+
+
+def _compiled(fn: Callable) -> Callable:
+    if fn not in _SUMMANDS:
+        _SUMMANDS[fn] = jax.jit(fn)
+    return _SUMMANDS[fn]
+
+
+def _secure_prepared(node: Node, server: Any, message: Any) -> Any:
+    """The message as the node keeps and sends it under secure aggregation (PVI: its delta
+    clipped to the norm bound; :class:`~fedppl.runtime.secure.SecureForm`)."""
+    form = secure_form(node.task.method, message, node.task.secure)
+    return message if form.prepare is None else _compiled(form.prepare)(server, message)
 
 
 def _secure_summand(node: Node, server: Any, message: Any, scale: float) -> Any:
     """What the node adds into the secure sum in place of its message; raises (naming the node)
     where the server would refuse the message, which the server cannot see."""
-    form = secure_form(node.task.method, message)
-    if form.summand not in _SUMMANDS:
-        _SUMMANDS[form.summand] = jax.jit(form.summand)
-    summand, ok = _SUMMANDS[form.summand](server, message)
-    if not bool(ok):
-        raise ValueError(f"partition {node.partition}: its message fails the server's check "
-                         f"({form.check}); under secure aggregation the node withholds it")
+    form = secure_form(node.task.method, message, node.task.secure)
+    summand, ok = _compiled(form.summand)(server, message)
+    why = refusal(form, ok)
+    if why is not None:
+        raise ValueError(f"partition {node.partition}: {why}; under secure aggregation the "
+                         "node withholds its message")
     return summand
 
 
@@ -363,10 +342,3 @@ def _secure_evaluation(node: Node, msg: Message, scale: float) -> Message:
     candidate, FedBNR's) enters the sum, after the server's check of it (finite)."""
     value = node.evaluate(msg).content.array_records["value"].to_numpy_ndarrays()
     return Message(summand_content(value, scale, f"partition {node.partition}"), reply_to=msg)
-
-
-def _private(method: Any) -> bool:
-    """Whether a method adds privacy noise at its clients (DP-PVI, private statistics)."""
-    config = getattr(method, "config", None)
-    return (getattr(method, "privacy", None) is not None
-            or getattr(config, "privacy", None) is not None)

@@ -71,6 +71,7 @@ except ImportError as err:  # pragma: no cover - depends on the environment
     raise ImportError("fedppl.runtime.secagg needs Flower: pip install 'fedppl[flower]'") from err
 
 from fedppl.runtime.flower_wire import flower_log
+from fedppl.runtime.secure import SecureSum
 
 __all__ = ["SecureSum", "Summed", "SumTask", "secure_sum", "secure_sum_apps", "secure_exchange",
            "secure_mod", "summand_content", "request", "requested", "error_bound", "size_of",
@@ -81,21 +82,6 @@ __all__ = ["SecureSum", "Summed", "SumTask", "secure_sum", "secure_sum_apps", "s
 QUANTIZATION = 2**22
 _HALF = QUANTIZATION // 2
 _REQUEST = "fedppl.secure"  # the config record of a round message that asks for SecAgg+
-
-
-class SecureSum(NamedTuple):
-    """Secure aggregation's public settings.
-
-    ``scale``: a bound on every entry of what a node adds into the sum (a node whose entries
-    exceed it refuses to send, naming itself); the sum's error per entry is at most
-    :func:`error_bound` ``(scale, n)``. ``threshold``: the fraction of a node's neighbours (here
-    every other node) whose key shares unmask the sum; the server learns one node's vector only
-    if at least that many nodes collude with it, and the sum survives as long as that many nodes
-    answer every stage (at least 2).
-    """
-
-    scale: float
-    threshold: float = 2 / 3
 
 
 def error_bound(scale: float, n: int) -> float:

@@ -1,0 +1,94 @@
+"""Synchronous PVI with Flower's SecAgg+ inside its rounds (``Task.secure``), on the Simulation
+Engine (one engine start for the module).
+
+Bayesian linear regression on three nodes, three rounds, node 1's message NaN in round 2: the node
+refuses it before masking (naming itself), SecAgg+ goes on without it, and the server's
+posterior equals the plain embedded run in which client 1 sat round 2 out, within the
+quantisation bound. The ServerApp received masked integer vectors only, none of them a client's
+own quantised summand.
+"""
+
+from __future__ import annotations
+
+from functools import partial
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+pytest.importorskip("flwr", reason="the Flower tests need the flower extra: "
+                    "pip install 'fedppl[flower]'")
+
+import fedppl
+from fedppl.models import linear_regression
+from fedppl.runtime.faults import corrupt
+from fedppl.runtime.secure import QUANTIZATION, SecureSum, secure_form, sum_error
+
+from . import flower_tasks
+from .test_flower_secagg import _masked, _simulate
+
+jax.config.update("jax_enable_x64", True)
+
+SCALE, K, ROUNDS = 1e3, 3, 3
+
+
+def secure_pvi_task(run_config: dict[str, Any]):
+    """PVI, synchronous, no line search, through SecAgg+; node 1 sends NaN in round 2."""
+    base = flower_tasks.task({"method": "pvi-synchronous", "line-search": False})
+    nan = partial(corrupt, kind="nan")
+    return base._replace(secure=SecureSum(SCALE), num_rounds=ROUNDS,
+                         fault=lambda k, r: nan if (k, r) == (1, 2) else None)
+
+
+@pytest.fixture(scope="module")
+def run():
+    with pytest.MonkeyPatch.context() as mp, pytest.warns(RuntimeWarning):
+        result, state, received = _simulate(mp, secure_pvi_task, {})
+    return result, state, received
+
+
+def test_secure_pvi_on_flower_equals_the_plain_run(run):
+    """The posterior equals the plain embedded run with client 1 out of round 2, within the
+    sums' quantisation bound; client 1's refusal is recorded with its own reason."""
+    result, state, _ = run
+    want, _ = flower_tasks.embedded("pvi-synchronous", ROUNDS, absent={2: [1]},
+                                    line_search=False)
+    bound = ROUNDS * sum_error(SCALE, K)
+    for a, b in zip(jax.tree_util.tree_leaves(state.q), jax.tree_util.tree_leaves(want.q),
+                    strict=True):
+        np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=0, atol=bound)
+    assert [(r, who) for r, who, _ in result.rejected] == [(2, "client 1")]
+    assert "partition 1: refused at the client before secure aggregation: message not finite" \
+        in result.rejected[0][2]
+    covered = np.ones((ROUNDS, K), bool)
+    covered[1, 1] = False
+    assert np.all(np.isnan(result.history["free_energy"][covered]))  # it stayed at the clients
+
+
+def test_the_server_received_only_masked_vectors(run):
+    """Every vector the ServerApp received is masked: none agrees with any client's own
+    quantised summand of round 1 (the plain run's first messages, clipped and judged as a
+    node does) on more than a couple of entries (SecAgg+'s self-masks hide even their plain
+    sum: only the unmasking stage's shares give the server the total)."""
+    _, _, received = run
+    masked = _masked(received)
+    assert len(masked) == K * ROUNDS - 1  # client 1 sent nothing in round 2
+    clients, _ = flower_tasks._data("pvi-synchronous")
+    method = fedppl.PVI(linear_regression, fedppl.PVIGuide(linear_regression),
+                        schedule="synchronous", line_search=False)
+    start = method.init(jax.random.key(0), clients)
+    after, _ = method.update(start)
+    form = secure_form(method, after.log.last_messages, SecureSum(SCALE))
+    own = []
+    for k in range(K):
+        msg = form.prepare(start.server, jax.tree_util.tree_map(lambda x: x[k],
+                                                                after.log.last_messages))
+        summand, ok = form.summand(start.server, msg)
+        assert float(ok) > 0
+        flat = np.concatenate([np.ravel(x) for x in jax.tree_util.tree_leaves(summand)])
+        own.append(np.rint((flat / SCALE + 1.0) * (QUANTIZATION // 2)).astype(np.int64))
+    for vector in masked[:K]:  # round 1's
+        assert vector.shape == own[0].shape
+        assert all(np.sum(vector == mine) <= 2 for mine in own)
