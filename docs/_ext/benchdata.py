@@ -1,6 +1,7 @@
 """The data side of the benchmark pages: reading ``benchmarks/results/*.json``, the generic
 tables (``rows``: a list or dict of the JSON; ``markdown``: the tables a script wrote), the
-machine, wall time and command a result records, the plot types, and the directives of a page.
+machine, wall time, command, commit and date a result records ("not recorded" where an older
+file lacks one), the plot types, and the directives of a page.
 
 It imports neither Sphinx nor matplotlib, so ``tests/test_docs_benchpages.py`` checks every
 page's tables without a build.
@@ -106,6 +107,11 @@ def _cell(row: Any, path: str, spec: str | None, digits: int) -> str:
     if path == "_key":
         return str(row.get("_key", ""))
     return fmt(get(row, path), spec, digits)
+
+
+def _median(values: list[float]) -> float:
+    v = sorted(values)
+    return v[len(v) // 2] if len(v) % 2 else (v[len(v) // 2 - 1] + v[len(v) // 2]) / 2
 
 
 # --- tables -------------------------------------------------------------------------------
@@ -278,6 +284,32 @@ def machine_text(data: dict) -> str:
         if key in m:
             parts.append("float64" if m[key] else "float32")
     return "; ".join(parts) or "not recorded"
+
+
+NOT_RECORDED = "not recorded"
+
+
+def commit_text(data: dict) -> str:
+    """The commit a result records (its short hash, and whether the sources had uncommitted
+    edits), wherever the file keeps it; "not recorded" where it does not."""
+    m = _decode(data.get("machine"))
+    m = m if isinstance(m, dict) else {}
+    for c in (data.get("commit"), data.get("git_commit"), m.get("commit"), m.get("git_commit")):
+        c = _decode(c)
+        if isinstance(c, dict) and c.get("sha"):
+            edits = " (with uncommitted edits)" if c.get("uncommitted_edits") else ""
+            return str(c["sha"])[:10] + edits
+        if isinstance(c, str) and c:
+            return c[:10]
+    return NOT_RECORDED
+
+
+def provenance_text(data: dict) -> dict[str, str]:
+    """The command, commit and date a result records, each "not recorded" where absent."""
+    command, date = data.get("command"), data.get("date")
+    return {"command": command if isinstance(command, str) and command else NOT_RECORDED,
+            "commit": commit_text(data),
+            "date": date if isinstance(date, str) and date else NOT_RECORDED}
 
 
 def wall_seconds(data: dict) -> float | None:

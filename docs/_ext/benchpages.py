@@ -5,7 +5,8 @@ files are read when the page is built, and registered as the page's dependencies
 result rebuilds the page):
 
 ``bench-info``
-    The result file(s), the machine and the wall time recorded in them, and the command that
+    The result file(s), the machine and the wall time recorded in them, the command, commit and
+    date each recorded ("not recorded" where an older file lacks one), and the command that
     reproduces them: the directive's content, or (``:script: STEM``) the ``python
     benchmarks/...`` lines of the benchmark script's docstring::
 
@@ -44,11 +45,13 @@ from typing import ClassVar
 
 from benchdata import (
     GENERATED,
+    NOT_RECORDED,
     SCRIPTS,
     Plot,
     Table,
     load,
     machine_text,
+    provenance_text,
     result_path,
     script_commands,
     wall_seconds,
@@ -81,6 +84,16 @@ def draw(plot: Plot, path: Path) -> None:
     fig.savefig(path)
     plt.close(fig)
 
+
+
+def plot_name(files: list[str], options: dict) -> str:
+    """The PNG file name (under ``docs/benchmarks/_generated/``) of a ``bench-plot``."""
+    tag = re.sub(
+        r"[^\w.-]+",
+        "-",
+        "_".join([options["plotter"], options.get("metric", ""), options.get("y", ""), *files]),
+    )
+    return f"{tag[:120]}.png"
 
 
 # --- Sphinx -------------------------------------------------------------------------------
@@ -187,12 +200,7 @@ def _directives():
             opts = dict(self.options)
             try:
                 plot = plot_series(files, opts)
-                tag = re.sub(
-                    r"[^\w.-]+",
-                    "-",
-                    "_".join([opts["plotter"], opts.get("metric", ""), opts.get("y", ""), *files]),
-                )
-                name = f"{tag[:120]}.png"
+                name = plot_name(files, opts)
                 draw(plot, GENERATED / name)
             except Exception as exc:
                 raise self.error(f"bench-plot {files}: {type(exc).__name__}: {exc}") from exc
@@ -235,6 +243,18 @@ def _directives():
                     "Result file:",
                     nodes.literal(f"benchmarks/results/{f}", f"benchmarks/results/{f}"),
                     nodes.Text(wall + "; machine: " + machine_text(data)),
+                )
+                rec = provenance_text(data)
+                command = (
+                    [nodes.Text(rec["command"])]
+                    if rec["command"] == NOT_RECORDED
+                    else [nodes.literal(rec["command"], rec["command"])]
+                )
+                add(
+                    "Recorded:",
+                    nodes.Text("command "),
+                    *command,
+                    nodes.Text(f"; commit {rec['commit']}; date {rec['date']}"),
                 )
             commands = list(self.content) if self.content else []
             if not commands and self.options.get("script"):
