@@ -4,6 +4,7 @@
 #                 the test suite and the docstring examples
 #   make docs   - build the documentation site into docs/_build/html (every example executed,
 #                 warnings as errors), then look at it in headless Chromium (docs/_tests)
+#   make bench  - the benchmark suite, quick (BENCH=NAME for one, SIZE=full for the committed runs)
 PYTHON ?= $(shell command -v python3.11 || command -v python3)
 VENV   := .venv
 BIN    := $(VENV)/bin
@@ -66,8 +67,14 @@ docs: $(STAMP) $(MATHJAX)
 		docs docs/_build/html
 	$(BIN)/python -m pytest -q -p no:cacheprovider docs/_tests
 
+# The benchmark suite (benchmarks/__main__.py; `python -m benchmarks --list` lists it): every
+# benchmark at its quick size by default, into benchmarks/results/quick/ (git-ignored, so the
+# committed results the docs cite stay as they are); BENCH=NAME runs one, SIZE=full the runs
+# behind the committed results (then `make docs` renders their pages).
+BENCH ?= all
+SIZE  ?= quick
 bench: $(STAMP)
-	$(BIN)/python benchmarks/pvi_rounds.py
+	OPENBLAS_NUM_THREADS=1 $(BIN)/python -m benchmarks $(BENCH) --size $(SIZE)
 
 clean:
 	rm -rf $(VENV) .pytest_cache docs/_build docs/gallery/tutorials docs/gallery/models \

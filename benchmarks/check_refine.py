@@ -90,7 +90,22 @@ from fedppl.infer.importance import khat_threshold
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import ep_hierarchical as hier
 import ep_vs_pvi as bc
+from _provenance import stamp
 from ep_vs_pvi import errors
+
+BENCHMARK = {
+    "summary": ("the federated importance check (Pareto k-hat) and refine against pooled NUTS: a "
+                "hierarchical logistic regression with local sites, breast cancer at K = 10 and "
+                "100"),
+    "data": None,
+    "quick": ["--task", "breast-cancer", "--quick"],
+    "full": [["--task", "hierarchical"],
+             ["--task", "breast-cancer", "--clients", "10"],
+             ["--task", "breast-cancer", "--clients", "100"],
+             ["--task", "breast-cancer", "--clients", "10", "--ess-target", "1e9", "--out",
+              "benchmarks/results/check_refine_breast_cancer_k10_all_rounds.json"]],
+    "cost": "quick ~1 min (breast cancer; the hierarchical smoke run takes over 3); full ~1.5 h",
+}
 
 jax.config.update("jax_enable_x64", True)
 
@@ -385,7 +400,7 @@ def main() -> None:
     results["wall_seconds"] = time.perf_counter() - t0
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     with open(args.out, "w") as f:
-        json.dump(results, f, indent=1)
+        json.dump(stamp(results), f, indent=1)
     table(run, args)
     print(f"wrote {args.out} ({results['wall_seconds']:.0f} s)")
 

@@ -25,8 +25,18 @@ import warnings
 from pathlib import Path
 
 import jax
+from _provenance import stamp
 
 from fedppl_experiments import cotraining_study as study
+
+BENCHMARK = {
+    "summary": ("private GP co-training (thesis Ch. 4): RMSE and privacy of every combination and "
+                "uncertainty mode over correlation, labelled size and DP, synthetic and CCPP"),
+    "data": ["../shared/data/uci/power-plant"],
+    "quick": ["--quick"],
+    "full": [[]],
+    "cost": "quick ~1 min; full ~30 min",
+}
 
 CCPP = Path(__file__).resolve().parents[2] / "shared" / "data" / "uci" / "power-plant"
 TABLES = [
@@ -94,7 +104,7 @@ def main() -> None:
                        "jax": jax.__version__},
            "runs": rows, "tables_markdown": body}
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.out).write_text(json.dumps(out, indent=1, default=float))
+    Path(args.out).write_text(json.dumps(stamp(out), indent=1, default=float))
     print(f"\nwrote {args.out}")
 
 

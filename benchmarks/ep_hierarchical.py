@@ -72,7 +72,21 @@ import fedppl
 from fedppl.families import gaussian as g
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+from _provenance import stamp
 from ep_vs_pvi import averaged, curve, errors
+
+BENCHMARK = {
+    "summary": ("federated EP on a hierarchical logistic regression (J = 40 groups, D = 20, K = "
+                "25) against pooled NUTS, PVI and one-shot merges, round by round"),
+    "data": None,
+    "quick": ["--quick"],
+    "full": [[],
+             ["--rounds", "8", "--no-pvi", "--out",
+              "benchmarks/results/ep_hierarchical_defaults.json"],
+             ["--rounds", "8", "--no-pvi", "--no-merges", "--init-pvi", "4", "--out",
+              "benchmarks/results/ep_hierarchical_defaults_initpvi.json"]],
+    "cost": "quick ~3 min; full ~35 min per file",
+}
 
 jax.config.update("jax_enable_x64", True)
 
@@ -218,7 +232,7 @@ def main() -> None:
         results["wall_seconds"] = time.perf_counter() - t_all
         Path(args.out).parent.mkdir(parents=True, exist_ok=True)
         with open(args.out, "w") as f:
-            json.dump(results, f, indent=1)
+            json.dump(stamp(results), f, indent=1)
 
     for seed in range(args.first_seed, args.first_seed + args.seeds):
         pooled, truth, clients = simulate(seed)

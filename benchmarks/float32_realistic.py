@@ -19,11 +19,21 @@ import warnings
 
 import jax
 import numpy as np
+from _provenance import stamp
 
 import fedppl
 from fedppl.guides import PVIGuide
 from fedppl.models.glm import logistic_regression
 from fedppl_experiments.demo import load_breast_cancer
+
+BENCHMARK = {
+    "summary": ("float32 against float64 at a realistic size: Bayesian logistic regression on "
+                "breast cancer, PVI and its check, the two dtypes' answers and seconds"),
+    "data": None,
+    "quick": [],
+    "full": [["--out", "benchmarks/results/float32_realistic.json"]],
+    "cost": "quick = full ~1 min",
+}
 
 SETTINGS = [(10, "synchronous", 0.5, 30), (10, "sequential", 1.0, 10),
             (100, "synchronous", 0.1, 60), (100, "sequential", 1.0, 10)]
@@ -70,9 +80,9 @@ def main():
                          for k, v in rows[-1].items()), flush=True)
     if args.out:
         with open(args.out, "w") as f:
-            json.dump({"what": __doc__.splitlines()[0], "machine": platform.platform(),
-                       "processor": platform.processor(), "cpus": __import__("os").cpu_count(),
-                       "rows": rows}, f, indent=1)
+            json.dump(stamp({"what": __doc__.splitlines()[0], "machine": platform.platform(),
+                             "processor": platform.processor(),
+                             "cpus": __import__("os").cpu_count(), "rows": rows}), f, indent=1)
 
 
 if __name__ == "__main__":

@@ -39,6 +39,15 @@ import numpy as np
 import fedppl
 from fedppl.models import linear_regression
 
+BENCHMARK = {
+    "summary": ("what Flower costs: seconds and bytes per synchronous PVI round, the embedded "
+                "runtime against Flower's Simulation and Deployment Engines, K = 10 and 50"),
+    "data": None,
+    "quick": ["--clients", "10", "--rounds", "3", "--engines", "embedded", "simulation"],
+    "full": [[]],
+    "cost": "quick ~2 min; full ~15 min (needs several GiB for the SuperNodes)",
+}
+
 jax.config.update("jax_enable_x64", True)
 
 OUT = Path(__file__).parent / "results" / "flower_overhead.json"
@@ -165,7 +174,11 @@ def main() -> None:
     p.add_argument("--repeats", type=int, default=1,
                    help="runs per engine and K; the row is the median over them")
     p.add_argument("--engines", nargs="+", default=list(ENGINES), choices=ENGINES)
+    p.add_argument("--out", type=Path, default=OUT,
+                   help="JSON path; rows of engines and sizes not run are kept from it")
     args = p.parse_args()
+    out = args.out
+    from _provenance import stamp  # benchmarks/ is on the path of the script, not of its nodes
     rows = []
     for i, K in enumerate(args.clients):
         workers = None if args.workers is None else args.workers[i]
@@ -197,19 +210,19 @@ def main() -> None:
         return r["engine"], r["clients"], r.get("schedule", "sequential")
 
     done = {key(r) for r in rows}
-    if OUT.exists():
-        rows = [r for r in json.loads(OUT.read_text())["rows"] if key(r) not in done] + rows
+    if out.exists():
+        rows = [r for r in json.loads(out.read_text())["rows"] if key(r) not in done] + rows
     rows.sort(key=lambda r: (r.get("schedule", "sequential") != "synchronous", r["clients"],
                              ENGINES.index(r["engine"])))
-    OUT.parent.mkdir(exist_ok=True)
-    OUT.write_text(json.dumps({
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(stamp({
         "what": "seconds and bytes per PVI round (BLR, 5 features, 20 rows per client; each "
                 "row's schedule): embedded vs Flower engines; median over rounds after the "
                 "first, then over repeats",
         "machine": f"{platform.node()} {platform.machine()} {os.cpu_count()} cores, "
                    f"{jax.default_backend()}",
-        "flwr": __import__("flwr").__version__, "rows": rows}, indent=1))
-    print(f"wrote {OUT}")
+        "flwr": __import__("flwr").__version__, "rows": rows}), indent=1))
+    print(f"wrote {out}")
 
 
 if __name__ == "__main__":

@@ -53,6 +53,16 @@ if str(ROOT) not in sys.path:
 
 from examples.gallery import GALLERY, Entry  # noqa: E402
 
+BENCHMARK = {
+    "summary": ("the model gallery's pooled references (NUTS, and SVI as the Gaussian-VI "
+                "optimum), cached for model_gallery; prints NUTS diagnostics and SVI against NUTS"),
+    "data": None,
+    "quick": ["--quick", "--models", "poisson_regression"],
+    "full": [[]],
+    "out": None,
+    "cost": "quick ~1 min; full ~1 h (cached under benchmarks/results/gallery_refs/)",
+}
+
 DRAW_SEED = 20240  # one key for every reference draw: two fits differ only by their parameters
 CACHE_DIR = ROOT / "benchmarks" / "results" / "gallery_refs"
 

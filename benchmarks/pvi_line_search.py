@@ -58,11 +58,21 @@ import jax
 import numpy as np
 import numpyro
 import numpyro.distributions as dist
+from _provenance import stamp
 
 import fedppl
 from fedppl.families import gaussian as g
 from fedppl.guides import PVIGuide
 from fedppl.infer.base import Runtime, embedded_round
+
+BENCHMARK = {
+    "summary": ("when synchronous PVI needs its line search, and the exchanges a deployment pays "
+                "for it (BLR, logistic K = 10 and 100, mean-field)"),
+    "data": None,
+    "quick": ["--quick"],
+    "full": [[]],
+    "cost": "quick ~2 min; full ~8 min",
+}
 
 jax.config.update("jax_enable_x64", True)
 
@@ -247,7 +257,7 @@ def main() -> None:
                            "damping": 1.0, "schedule": "synchronous"},
               "machine": machine(), "rows": rows}
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.out).write_text(json.dumps(report, indent=1))
+    Path(args.out).write_text(json.dumps(stamp(report), indent=1))
     print(f"wrote {args.out}")
 
 

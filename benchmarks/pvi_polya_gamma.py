@@ -43,11 +43,21 @@ import jax.numpy as jnp
 import numpy as np
 import numpyro
 import optax
+from _provenance import stamp
 
 import fedppl
 from fedppl.families import gaussian as g
 from fedppl.guides import PVIGuide
 from fedppl.models import logistic_regression as model
+
+BENCHMARK = {
+    "summary": ("the Polya-Gamma closed-form local step against the stochastic variational one in "
+                "PVI on breast cancer: distance from the reference per round, seconds"),
+    "data": None,
+    "quick": ["--quick"],
+    "full": [[]],
+    "cost": "quick ~1 min; full ~3 min",
+}
 
 jax.config.update("jax_enable_x64", True)
 
@@ -268,7 +278,7 @@ def main(argv: list[str] | None = None) -> None:
         "results": rows,
     }
     args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(report, indent=2) + "\n")
+    args.out.write_text(json.dumps(stamp(report), indent=2) + "\n")
     print(f"wrote {args.out}")
 
 

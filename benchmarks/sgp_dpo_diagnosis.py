@@ -58,11 +58,21 @@ from pathlib import Path
 import jax
 import numpy as np
 import optax
+from _provenance import stamp
 
 from fedppl.algorithms import sgp_pvi
 from fedppl.families import gaussian as g
 from fedppl.infer.sparse_gps import PAPER_DPO, SGPConfig
 from fedppl_experiments import sgp_uci
+
+BENCHMARK = {
+    "summary": ("why DPO stops short of global VI on some UCI sets: the paper's protocol against "
+                "one change at a time (rounds, inducing inputs, local steps)"),
+    "data": ["../shared/data/uci"],
+    "quick": ["--data", "yacht", "--rounds", "5", "--global-rounds", "5", "--local-steps", "10"],
+    "full": [["--data", "yacht"], ["--data", "concrete", "--rounds", "100"]],
+    "cost": "quick ~1 min; full ~10-30 min per set",
+}
 
 jax.config.update("jax_enable_x64", True)
 
@@ -160,12 +170,12 @@ def main() -> None:
     print("\n" + text)
     out = args.out or Path(__file__).parent / "results" / f"sgp_dpo_diagnosis_{args.data}.json"
     out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps({
+    out.write_text(json.dumps(stamp({
         "what": "DPO against global VI, one change at a time (sequential, K = 10, M = 100)",
         "settings": {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()},
         "machine": {"platform": platform.platform(), "cpus": os.cpu_count(),
                     "device": str(jax.devices()[0]), "jax": jax.__version__},
-        "rows": rows, "table_markdown": text}, indent=1))
+        "rows": rows, "table_markdown": text}), indent=1))
     print(f"\nwrote {out}")
 
 

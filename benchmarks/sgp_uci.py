@@ -32,8 +32,19 @@ from pathlib import Path
 
 import jax
 import numpy as np
+from _provenance import stamp
 
 from fedppl_experiments import sgp_uci
+
+BENCHMARK = {
+    "summary": ("federated sparse GPs (DPO, CPO, FedAvg-Z, fixed, global, FSGP) on eight UCI sets "
+                "of the federated SGP paper: test RMSE and log-likelihood, plus round timings"),
+    "data": ["../shared/data/uci"],
+    "quick": ["--datasets", "yacht", "--splits", "1", "--rounds", "10", "--local-steps", "20",
+              "--timing-clients", "10", "--timing-repeats", "1"],
+    "full": [[]],
+    "cost": "quick ~2 min; full several hours",
+}
 
 UCI = Path(__file__).resolve().parents[2] / "shared" / "data" / "uci"
 DATASETS = ["bostonHousing", "concrete", "energy", "kin8nm", "naval-propulsion-plant",
@@ -250,7 +261,7 @@ def write(args: argparse.Namespace, results: dict, speeds: dict, meta: dict) -> 
                                "devices": str(jax.devices()), "jax": jax.__version__},
            "results": results, "timing": speeds, "tables_markdown": text}
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.out).write_text(json.dumps(out, indent=1))
+    Path(args.out).write_text(json.dumps(stamp(out), indent=1))
     print(f"\nwrote {args.out}")
 
 

@@ -55,6 +55,18 @@ import fedppl
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import ep_vs_pvi as bc
+from _provenance import stamp
+
+BENCHMARK = {
+    "summary": ("the federated SMC sampler beside PVI against pooled NUTS on breast cancer (K = "
+                "10, 100) and on centred and non-centred funnels"),
+    "data": None,
+    "quick": ["--quick"],
+    "full": [[],
+             ["--tasks", "breast-cancer", "--clients", "100", "--out",
+              "benchmarks/results/smc_breadth_k100.json"]],
+    "cost": "quick ~2 min; full ~10 min",
+}
 
 jax.config.update("jax_enable_x64", True)
 
@@ -225,7 +237,7 @@ def main() -> None:
         results["wall_seconds"] = time.perf_counter() - t_all
         Path(args.out).parent.mkdir(parents=True, exist_ok=True)
         with open(args.out, "w") as f:
-            json.dump(results, f, indent=1)
+            json.dump(stamp(results), f, indent=1)
 
     tasks = args.tasks.split(",")
     if "breast-cancer" in tasks:

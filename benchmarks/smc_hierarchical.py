@@ -52,7 +52,17 @@ import fedppl
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import ep_hierarchical as eh
+from _provenance import stamp
 from ep_vs_pvi import errors
+
+BENCHMARK = {
+    "summary": ("the federated SMC sampler on ep_hierarchical's logistic regression against "
+                "pooled NUTS, round by round, from PVI, EP or the prior"),
+    "data": None,
+    "quick": ["--quick"],
+    "full": [[]],
+    "cost": "quick ~3 min; full ~45 min per file",
+}
 
 jax.config.update("jax_enable_x64", True)
 
@@ -168,7 +178,7 @@ def main() -> None:
         results["wall_seconds"] = time.perf_counter() - t_all
         Path(args.out).parent.mkdir(parents=True, exist_ok=True)
         with open(args.out, "w") as f:
-            json.dump(results, f, indent=1)
+            json.dump(stamp(results), f, indent=1)
 
     for seed in range(args.first_seed, args.first_seed + args.seeds):
         pooled, _, clients = eh.simulate(seed)

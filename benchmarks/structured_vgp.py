@@ -40,8 +40,18 @@ from pathlib import Path
 
 import jax
 import numpy as np
+from _provenance import stamp
 
 from fedppl_experiments import svgp
+
+BENCHMARK = {
+    "summary": ("structured variational GPs (TVGP, RNVGP, sums of Kronecker terms) against SVIGP "
+                "on the thesis's comparisons (CCPP, concrete, Boston)"),
+    "data": ["../shared/data/uci"],
+    "quick": ["--tasks", "sumkron-1", "--splits", "1", "--steps", "sumkron-1=200"],
+    "full": [[]],
+    "cost": "quick ~1 min; full several hours",
+}
 
 UCI = Path(__file__).resolve().parents[2] / "shared" / "data" / "uci"
 S = svgp.Settings
@@ -140,7 +150,7 @@ def write(out: str, results: dict, meta: dict) -> None:
                "thesis_test_rmse": THESIS, "thesis_train_rmse": THESIS_TRAIN,
                "results": results, "table_markdown": text}
     Path(out).parent.mkdir(parents=True, exist_ok=True)
-    Path(out).write_text(json.dumps(payload, indent=1))
+    Path(out).write_text(json.dumps(stamp(payload), indent=1))
     print(f"\nwrote {out}")
 
 
