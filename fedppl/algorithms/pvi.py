@@ -98,9 +98,11 @@ REFUSALS = {
 # Under secure aggregation (fedppl.algorithms.secure_pvi) a client judges its own delta as the
 # server would, and withholds it from the masked sum: its reply is OWN_CHECK plus the verdict
 # (BEYOND_NORM: a delta beyond the public norm bound, changed after the client clipped it).
-OWN_CHECK, BEYOND_NORM, SUM_HALTED = -10.0, -5.0, -6.0
+OWN_CHECK, BEYOND_NORM, SUM_HALTED, TOTAL_BEYOND = -10.0, -5.0, -6.0, -7.0
 REFUSALS[SUM_HALTED] = ("secure aggregation halted: fewer clients answered than its threshold, "
                         "so no sum")
+REFUSALS[TOTAL_BEYOND] = ("the secure total's norm exceeds the norm bound times the clients in "
+                          "it (a client did not clip): refused for every client in the sum")
 REFUSALS.update({OWN_CHECK + code: f"refused at the client before secure aggregation: {why}"
                  for code, why in ((NOT_FINITE, "message not finite"),
                                    (NOT_PD, "q would not be positive definite with it"),

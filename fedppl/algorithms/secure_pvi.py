@@ -17,8 +17,9 @@ PVI's server judges each delta before it multiplies it into ``q`` (:func:`fedppl
 * **the sum** (:func:`summand`) carries the clipped delta and the counts of repaired cavities
   and of converged local steps; the local free energy and the iteration count stay at the
   client (their history columns are NaN and 0 under secure aggregation);
-* **the server** gets the total ``Delta = sum_k delta_k`` of the ``n`` clients the sum covers
-  and folds ``n`` equal shares ``Delta / n`` (:func:`share`) with PVI's own
+* **the server** gets the total ``Delta = sum_k delta_k`` of the ``n`` clients the sum covers,
+  refuses it whole if its norm exceeds ``n * max_norm`` (:func:`judge_total`: a client did not
+  clip), and folds ``n`` equal shares ``Delta / n`` (:func:`share`) with PVI's own
   :func:`~fedppl.algorithms.pvi.server_update`: every share is judged (the total finite,
   ``q * Delta / n`` proper, ``Delta / n`` within ``max_divergence``), then the accepted total is
   applied with the largest step in ``1, 1/2, ...`` that keeps ``q`` proper (the deltas are
@@ -52,7 +53,7 @@ from fedppl import trees
 from fedppl.algorithms import pvi
 from fedppl.families import gaussian as g
 
-__all__ = ["norm", "judge", "clip", "prepare", "summand", "share", "CHECK"]
+__all__ = ["norm", "judge", "clip", "prepare", "summand", "share", "judge_total", "CHECK"]
 
 #: What a client checks of its own delta before it masks it (for the error that names it).
 CHECK = ("finite, q times it positive definite, within max_divergence and within the norm "
@@ -111,6 +112,16 @@ def summand(server: pvi.ServerState, msg: pvi.ClientMessage, max_norm: float,
                        converged=~jnp.asarray(msg.converged, bool),
                        iterations=jnp.zeros_like(msg.iterations))
     return out, verdict
+
+
+def judge_total(server: pvi.ServerState, total: pvi.ClientMessage, n: int | Array,
+                max_norm: float) -> Array:
+    """The server's first check of a secure total: 1.0, or
+    :data:`~fedppl.algorithms.pvi.TOTAL_BEYOND` where the summed delta's norm exceeds ``n``
+    clipped deltas' (``n * max_norm``, to one part in 1e6): some client in the sum did not
+    clip, and the whole sum is refused (PVI's server update then judges the equal shares)."""
+    bound = jnp.asarray(n, total.delta.nat1.dtype) * max_norm * (1.0 + 1e-6)
+    return jnp.where(norm(total.delta) <= bound, 1.0, pvi.TOTAL_BEYOND)
 
 
 def share(server: pvi.ServerState, total: pvi.ClientMessage, n: int | Array

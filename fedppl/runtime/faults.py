@@ -53,7 +53,7 @@ import numpy as np
 from fedppl.algorithms.trio import Trio
 from fedppl.runtime.embedded import make_round
 
-__all__ = ["Faults", "KINDS", "DROPPED", "corrupt", "corrupt_where"]
+__all__ = ["Faults", "KINDS", "ALL_KINDS", "DROPPED", "corrupt", "corrupt_where"]
 
 #: The kinds of corrupted message :func:`corrupt` can make.
 KINDS = ("nan", "inf", "huge", "improper")
@@ -64,6 +64,8 @@ _CORRUPT: dict[str, Callable[[Any], Any]] = {
     "improper": lambda x: jnp.full_like(x, -1e12),
     "negated": lambda x: -x,
 }
+#: Every kind :func:`corrupt` knows (:data:`KINDS` and ``"negated"``).
+ALL_KINDS = tuple(_CORRUPT)
 DROPPED = 1  # a client's fault code: 0 none, 1 dropped, 2 + i the i-th of kinds
 
 

@@ -95,7 +95,7 @@ from fedppl.runtime.secagg import (
     share,
     size_of,
 )
-from fedppl.runtime.secure import secure_form
+from fedppl.runtime.secure import refusal, secure_form
 from fedppl.runtime.task import Task
 from fedppl.trees import index, stack, zeros
 
@@ -457,8 +457,13 @@ class _Server:
             self.pending.pop(k, None)
         if not got:
             return {}
-        total = as_tree(got[min(got)], like)
-        one = form.message(server, jax.tree_util.tree_map(jnp.asarray, total), len(got))
+        total = jax.tree_util.tree_map(jnp.asarray, as_tree(got[min(got)], like))
+        why = None if form.total_check is None else refusal(
+            form, form.total_check(server, total, len(got)))
+        if why is not None:  # the total fails the server's check: no client's part is folded
+            self.faults.extend((self.round, self.names[k], why) for k in sorted(got))
+            return {}
+        one = form.message(server, total, len(got))
         return {k: one for k in got}
 
     def _secure_sum(self, contents: dict[int, RecordDict], like: Any) -> dict[int, np.ndarray]:

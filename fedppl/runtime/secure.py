@@ -53,7 +53,7 @@ from jax import Array
 from fedppl import trees
 from fedppl.algorithms.trio import Trio, sent
 from fedppl.runtime.embedded import Runtime
-from fedppl.runtime.faults import DROPPED, Faults, corrupt_where
+from fedppl.runtime.faults import ALL_KINDS, DROPPED, Faults, corrupt_where
 
 __all__ = ["SecureSum", "SecureForm", "secure_form", "refusal", "adds_noise",
            "SecureAggregation",
@@ -115,12 +115,15 @@ class SecureForm(NamedTuple):
     ``message(server, total, n)`` on the server: one of ``n`` equal messages that the method's
     server update folds as it folds the ``n`` messages whose summands add to ``total``.
     ``prepare(server, message) -> message``: what the client makes of its message before it
-    keeps and sends it (PVI: the delta clipped to the norm bound; None: nothing)."""
+    keeps and sends it (PVI: the delta clipped to the norm bound; None: nothing);
+    ``total_check(server, total, n) -> verdict``: the server's check of the total before it
+    folds it (> 0: fold it; None: none beyond the method's own)."""
 
     summand: Callable
     message: Callable
     check: str
     prepare: Callable | None = None
+    total_check: Callable | None = None
 
 
 def secure_form(method: Any, like: Any, secure: SecureSum | None = None) -> SecureForm:
@@ -174,7 +177,10 @@ def _pvi_form(max_norm: float, max_divergence: float) -> SecureForm:
     def prepare(server, msg):
         return secure_pvi.prepare(server, msg, max_norm, max_divergence)
 
-    return SecureForm(summand, secure_pvi.share, secure_pvi.CHECK, prepare)
+    def total_check(server, total, n):
+        return secure_pvi.judge_total(server, total, n, max_norm)
+
+    return SecureForm(summand, secure_pvi.share, secure_pvi.CHECK, prepare, total_check)
 
 
 def refusal(form: SecureForm, ok: Any) -> str | None:
@@ -255,15 +261,16 @@ def _unflatten(flat: Array, like: Any) -> Any:
 
 
 @lru_cache(maxsize=16)
-def _secure_round(trio: Trio, secure: SecureSum, kinds: tuple[str, ...], hostile: bool
-                  ) -> Callable:
-    """One compiled round of the simulated protocol (its fault plan the last argument)."""
+def _secure_round(trio: Trio, secure: SecureSum) -> Callable:
+    """One compiled round of the simulated protocol; its last arguments are the fault plan (codes
+    over :data:`~fedppl.runtime.faults.ALL_KINDS`) and whether a faulty client skips its
+    check (one program for every fault setting)."""
     from fedppl.algorithms import pvi
 
     scale = float(secure.scale)
 
     @jax.jit
-    def round_fn(server, cstates, data, masks, keys, active, server_key, plan):
+    def round_fn(server, cstates, data, masks, keys, active, server_key, plan, hostile):
         if trio.begin_round is not None:
             server = trio.begin_round(server, server_key)
         broadcast = sent(trio, server)
@@ -274,17 +281,17 @@ def _secure_round(trio: Trio, secure: SecureSum, kinds: tuple[str, ...], hostile
         form = secure_form(None, msgs, secure)
         assert form.prepare is not None  # PVI's form: the only one the simulation runs
         own = jax.vmap(form.prepare, (None, 0))(broadcast, msgs)  # what each client keeps
-        wire = corrupt_where(own, plan, kinds)  # a fault at the client, before its check
+        wire = corrupt_where(own, plan, ALL_KINDS)  # a fault at the client, before its check
         summands, verdict = jax.vmap(form.summand, (None, 0))(broadcast, wire)
         faulty = plan > DROPPED
         reached = active & (plan != DROPPED)
         sends = reached & ((verdict > 0) | (hostile & faulty))
         dtype = summands.delta.nat1.dtype
         flat = jax.vmap(lambda s: _flatten(s, dtype))(summands)
-        if hostile:  # a faulty client that skips its check: what the encoding can carry
-            bad = jnp.clip(jnp.nan_to_num(flat, nan=scale, posinf=scale, neginf=-scale),
-                           -scale, scale)
-            flat = jnp.where(faulty[:, None], bad, flat)
+        # a faulty client that skips its check sends what the encoding can carry
+        bad = jnp.clip(jnp.nan_to_num(flat, nan=-scale, posinf=scale, neginf=-scale),
+                       -scale, scale)
+        flat = jnp.where((hostile & faulty)[:, None], bad, flat)
         masked = jax.vmap(_encode, (0, None))(flat, scale) + _pair_masks(
             jax.random.fold_in(server_key, 0x5EC), K, flat.shape[1])
         received = jnp.where(sends[:, None, None], masked, jnp.uint32(0))
@@ -297,12 +304,15 @@ def _secure_round(trio: Trio, secure: SecureSum, kinds: tuple[str, ...], hostile
                         dtype)
         asked = jnp.sum(active)
         halted = (n < 2) | (n < jnp.ceil(secure.threshold * asked))
-        one = form.message(server, _unflatten(total, trees.first(summands)), n)
-        shares = trees.broadcast(one, K)
-        taking = sends & ~halted
+        total = _unflatten(total, trees.first(summands))
+        verdict_total = (jnp.asarray(1.0) if form.total_check is None
+                         else form.total_check(server, total, n))
+        shares = trees.broadcast(form.message(server, total, n), K)
+        taking = sends & ~halted & (verdict_total > 0)
         new, replies = trio.server_update(server, shares, index, taking, server_key, None)
+        failed = jnp.where(halted, pvi.SUM_HALTED, verdict_total)
         replies = jnp.where(taking, replies,
-                            jnp.where(sends, pvi.SUM_HALTED,
+                            jnp.where(sends, failed,
                                       jnp.where(reached & ~sends, verdict, pvi.NOT_RECEIVED)))
         cstates = jax.vmap(trio.acknowledge)(cstates, own, replies, proposed)
         shares = jax.tree_util.tree_map(
@@ -367,17 +377,20 @@ class SecureAggregation:
                              "search scores candidates on each client's expected "
                              "log-likelihood, which is not summed securely")
         faults = self.faults
-        kinds = ("nan",) if faults is None else faults.kinds
+        # a Faults plan's codes, renumbered over ALL_KINDS (one compiled round for any kinds)
+        codes = np.arange(DROPPED + 1) if faults is None else np.array(
+            [*range(DROPPED + 1), *(DROPPED + 1 + ALL_KINDS.index(k) for k in faults.kinds)])
         if faults is not None:
             faults.restart()
         self.received = []
-        round_fn = _secure_round(trio, self.secure, tuple(kinds), self.hostile)
+        round_fn = _secure_round(trio, self.secure)
 
         def run_round(server, clients, data, masks, keys, active, server_key):
             plan = (np.zeros(np.shape(active), int) if faults is None
-                    else faults.draw(active))
+                    else codes[faults.draw(active)])
             new, cstates, shares, replies, received, sends = round_fn(
-                server, clients, data, masks, keys, active, server_key, jnp.asarray(plan))
+                server, clients, data, masks, keys, active, server_key, jnp.asarray(plan),
+                jnp.asarray(self.hostile))
             self.received.append(np.asarray(received)[np.asarray(sends)])
             return new, cstates, shares, replies
 

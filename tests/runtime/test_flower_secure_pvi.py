@@ -14,7 +14,6 @@ from functools import partial
 from typing import Any
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 import pytest
 
@@ -83,7 +82,7 @@ def test_the_server_received_only_masked_vectors(run):
     form = secure_form(method, after.log.last_messages, SecureSum(SCALE))
     own = []
     for k in range(K):
-        msg = form.prepare(start.server, jax.tree_util.tree_map(lambda x: x[k],
+        msg = form.prepare(start.server, jax.tree_util.tree_map(lambda x, k=k: x[k],
                                                                 after.log.last_messages))
         summand, ok = form.summand(start.server, msg)
         assert float(ok) > 0
