@@ -4,8 +4,8 @@
 Two uses of one protocol:
 
 * inside a method's rounds on Flower: ``Task(..., secure=SecureSum(scale))`` sends each
-  exchange of FSGP and FedBNR through SecAgg+ (:mod:`fedppl.runtime.flower`; which methods and
-  why: the FSGP guide's "Secure aggregation inside the rounds");
+  exchange of synchronous PVI, FSGP and FedBNR through SecAgg+ (:mod:`fedppl.runtime.flower`;
+  how each method's messages enter the sum: :func:`fedppl.runtime.secure.secure_form`);
 * once, over statistics each node computes on its own partition: a :class:`SumTask` summed by
   :func:`secure_sum` (Simulation Engine) or :func:`secure_sum_apps` (``flwr run``).
 
