@@ -1,29 +1,10 @@
-"""Same seeds, same numbers: PVI and GlobalVI before and after a restructuring of the package.
-
-Runs one set of small problems (conjugate BLR, logistic regression with the natural-gradient
-solver in every schedule, a HalfNormal prior refined by the server, a model with local sites,
-client sampling, GlobalVI) with the code at ``--before`` (an older checkout) and with this
-checkout, each in its own process, and prints the largest differences of q and of the history.
-
-    python benchmarks/same_numbers_pvi.py --before /tmp/before
-"""
+"""PVI and GlobalVI on small problems: conjugate BLR, logistic regression with the
+natural-gradient solver in every schedule, a HalfNormal prior refined by the server, a model with
+local sites, client sampling, GlobalVI. :func:`numbers` gives q and the history of each."""
 
 from __future__ import annotations
 
-import argparse
-import json
-import os
-import pickle
-import platform
-import subprocess
-import sys
-import tempfile
-from pathlib import Path
-
 import numpy as np
-
-HERE = Path(__file__).resolve().parent
-RESULTS = HERE / "results" / "same_numbers_pvi.json"
 
 
 def cases():
@@ -89,51 +70,5 @@ def cases():
             for name, r in out.items()}
 
 
-def child(path: str) -> None:
-    import jax
-
-    jax.config.update("jax_enable_x64", True)
-    with open(path, "wb") as f:
-        pickle.dump(cases(), f)
-
-
-def run_with(pythonpath: str | None) -> dict:
-    with tempfile.TemporaryDirectory() as tmp:
-        out = os.path.join(tmp, "out.pkl")
-        env = dict(os.environ, OPENBLAS_NUM_THREADS="1")
-        code = (f"import sys; sys.path.insert(0, {str(HERE)!r}); import same_numbers_pvi as m; "
-                f"m.child({out!r})")
-        if pythonpath:
-            env["PYTHONPATH"] = pythonpath
-        subprocess.run([sys.executable, "-c", code], env=env, check=True, cwd=tmp)
-        with open(out, "rb") as f:
-            return pickle.load(f)
-
-
-def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--before", default="/tmp/before", help="an older checkout of the repo")
-    args = p.parse_args()
-    before, after = run_with(args.before), run_with(str(HERE.parent))
-    rows = {}
-    print("| case | max abs diff q | max rel diff q | max abs diff history |")
-    print("|---|---:|---:|---:|")
-    for name in before:
-        b, a = before[name], after[name]
-        dq = max(float(np.max(np.abs(x - y))) for x, y in zip(b["q"], a["q"], strict=True))
-        rq = max(float(np.max(np.abs(x - y) / (np.abs(x) + 1e-300)))
-                 for x, y in zip(b["q"], a["q"], strict=True))
-        dh = {k: float(np.nanmax(np.abs(b[k] - a[k]))) if b[k].shape == a[k].shape else "shape"
-              for k in b if k != "q"}
-        worst = max((v for v in dh.values() if isinstance(v, float)), default=0.0)
-        rows[name] = {"q_abs": dq, "q_rel": rq, "history": dh}
-        print(f"| {name} | {dq:.2e} | {rq:.2e} | {worst:.2e} {dh if worst > 1e-9 else ''} |")
-    RESULTS.parent.mkdir(exist_ok=True)
-    RESULTS.write_text(json.dumps({"what": "PVI/GlobalVI before vs after, same seeds",
-                                   "machine": platform.platform(), "before": args.before,
-                                   "cases": rows}, indent=1))
-    print(f"wrote {RESULTS}")
-
-
-if __name__ == "__main__":
-    main()
+def numbers() -> dict:
+    return cases()
