@@ -5,6 +5,7 @@
     python -m benchmarks NAME --size full          # the runs behind the committed results
     python -m benchmarks all --size quick          # every benchmark, one after the other
     python -m benchmarks pages                     # the docs' benchmark pages from the results
+    python -m benchmarks NAME -- ARGS              # ARGS appended to each of NAME's commands
 
 A run is ``python benchmarks/NAME.py ARGS`` from the repository root, in its own process, with
 the arguments the script declares in its ``BENCHMARK`` (see ``benchmarks/_registry.py``). Quick
@@ -47,7 +48,8 @@ def _stop(proc: subprocess.Popen) -> None:
             continue
 
 
-def run_one(b: Benchmark, size: str, timeout: float | None, dry_run: bool) -> dict:
+def run_one(b: Benchmark, size: str, timeout: float | None, dry_run: bool,
+            extra: list[str] | None = None) -> dict:
     """Run ``b`` at ``size`` (each of its commands), or say why it was skipped."""
     row: dict = {"name": b.name, "size": size, "commands": [], "seconds": 0.0}
     missing = b.missing_data()
@@ -63,7 +65,7 @@ def run_one(b: Benchmark, size: str, timeout: float | None, dry_run: bool) -> di
     env = dict(os.environ)
     env.setdefault("OPENBLAS_NUM_THREADS", "1")
     for args in b.commands(size):
-        cmd = [sys.executable, str(b.path.relative_to(ROOT)), *args]
+        cmd = [sys.executable, str(b.path.relative_to(ROOT)), *args, *(extra or [])]
         shown = shlex.join(["python", *cmd[1:]])
         row["commands"].append(shown)
         print(f"[{b.name}] {shown}", flush=True)
@@ -121,10 +123,14 @@ def pages() -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else list(argv)
+    extra: list[str] = []
+    if "--" in argv:  # arguments after -- go to every command of the run
+        argv, extra = argv[: argv.index("--")], argv[argv.index("--") + 1 :]
     suite = benchmarks()
     p = argparse.ArgumentParser(prog="python -m benchmarks", description=__doc__.splitlines()[0],
                                 formatter_class=argparse.RawDescriptionHelpFormatter,
-                                epilog="\n".join(__doc__.splitlines()[2:7]))
+                                epilog="\n".join(__doc__.splitlines()[2:9]))
     p.add_argument("names", nargs="*", metavar="NAME",
                    help="benchmarks to run, 'all', or 'pages' (see --list)")
     p.add_argument("--list", action="store_true", help="list the benchmarks and exit")
@@ -142,7 +148,7 @@ def main(argv: list[str] | None = None) -> int:
     unknown = [n for n in names if n not in suite]
     if unknown:
         p.error(f"unknown benchmark(s) {', '.join(unknown)}; --list shows them")
-    rows = [run_one(suite[n], a.size, a.timeout, a.dry_run) for n in names]
+    rows = [run_one(suite[n], a.size, a.timeout, a.dry_run, extra) for n in names]
     print("\n| benchmark | size | status | seconds | note |\n|---|---|---|---:|---|")
     for r in rows:
         print(f"| {r['name']} | {r['size']} | {r['status']} | {r['seconds']:.0f} "

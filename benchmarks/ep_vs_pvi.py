@@ -61,7 +61,7 @@ BENCHMARK = {
     "summary": ("federated EP against pooled NUTS, PVI and one-shot subposterior merges on breast "
                 "cancer logistic regression, K = 10 and 100: errors, test log-lik, s/round"),
     "data": None,
-    "quick": ["--quick"],
+    "quick": ["--quick", "--no-pvi", "--only", "EP stein"],
     "full": [[],
              ["--clients", "100", "--out", "benchmarks/results/ep_vs_pvi_k100.json"],
              ["--seeds", "3", "--only", "EP stein", "--out",

@@ -121,11 +121,15 @@ def main() -> None:
     ap.add_argument("--methods", nargs="+", default=["FSGP", "FedBNR"])
     ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--quick", action="store_true")
-    ap.add_argument("--out", default="benchmarks/results/private_gp.json")
+    ap.add_argument("--out", default=None,
+                    help="JSON path (default benchmarks/results/private_gp.json; with --quick, "
+                         "/tmp/private_gp_quick.json)")
     args = ap.parse_args()
     if args.quick:
         args.sizes, args.epsilons, args.repeats = [120], [1.0, math.inf], 1
-        args.out = "/tmp/private_gp_quick.json"
+    if args.out is None:
+        args.out = ("/tmp/private_gp_quick.json" if args.quick
+                    else "benchmarks/results/private_gp.json")
     warnings.simplefilter("ignore")
     commit = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True,
                             cwd=Path(__file__).parent).stdout.strip()

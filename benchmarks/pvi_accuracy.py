@@ -49,7 +49,7 @@ BENCHMARK = {
     "summary": ("non-conjugate PVI against global VI on breast cancer, round by round: local "
                 "step, family, damping and K; simulated Poisson and probit regressions"),
     "data": None,
-    "quick": ["--quick"],
+    "quick": ["--quick", "--families", "fullrank", "--solvers", "natural-gradient"],
     "full": [[],
              ["--clients", "10", "--seeds", "1", "--table-only", "--out",
               "benchmarks/results/pvi_accuracy_k10_timing.json"]],
