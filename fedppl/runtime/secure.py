@@ -279,7 +279,13 @@ def _secure_round(trio: Trio, secure: SecureSum) -> Callable:
         msgs, proposed = jax.vmap(trio.client_update, (None, 0, 0, 0, 0, 0))(
             broadcast, cstates, data, masks, keys, index)
         form = secure_form(None, msgs, secure)
-        assert form.prepare is not None  # PVI's form: the only one the simulation runs
+        if form.prepare is None:
+            raise ValueError("the simulation of secure aggregation runs synchronous PVI; FSGP "
+                             "and FedBNR run it on Flower (Task.secure)")
+        if getattr(cstates, "parties", None) is not None:
+            raise ValueError("PVI with DPVirtualParties and secure aggregation together is not "
+                             "supported (the parties' factors would not follow a clipped "
+                             "delta): run one or the other")
         own = jax.vmap(form.prepare, (None, 0))(broadcast, msgs)  # what each client keeps
         wire = corrupt_where(own, plan, ALL_KINDS)  # a fault at the client, before its check
         summands, verdict = jax.vmap(form.summand, (None, 0))(broadcast, wire)

@@ -213,18 +213,18 @@ def test_the_client_check_and_clip():
     """A client's delta: clipped to the norm bound (a power of it, so q times it stays
     proper); withheld with the server's reason if not finite, improper or implausible, and
     judged beyond the bound if someone changed it after clipping."""
+    clip, judge = jax.jit(secure_pvi.clip), jax.jit(secure_pvi.judge)
     q = g.FullGaussian(jnp.zeros(2), jnp.eye(2))
     delta = g.FullGaussian(jnp.array([30.0, 0.0]), 40.0 * jnp.eye(2))
-    clipped, verdict = secure_pvi.clip(q, delta, 10.0)
+    clipped, verdict = clip(q, delta, 10.0)
     assert float(verdict) == 1.0
     np.testing.assert_allclose(float(secure_pvi.norm(clipped)), 10.0, rtol=1e-12)
     assert bool(g.is_pd(g.product(q, clipped)))
-    assert float(secure_pvi.judge(q, delta, 10.0)) == pvi_algorithm.OWN_CHECK + \
-        pvi_algorithm.BEYOND_NORM
+    assert float(judge(q, delta, 10.0)) == pvi_algorithm.OWN_CHECK + pvi_algorithm.BEYOND_NORM
     improper = g.FullGaussian(jnp.zeros(2), -2.0 * jnp.eye(2))
-    assert float(secure_pvi.clip(q, improper, 10.0)[1]) == pvi_algorithm.OWN_CHECK + \
-        pvi_algorithm.NOT_PD
-    assert float(secure_pvi.norm(secure_pvi.clip(q, improper, 10.0)[0])) == 0.0
+    withheld, verdict = clip(q, improper, 10.0)
+    assert float(verdict) == pvi_algorithm.OWN_CHECK + pvi_algorithm.NOT_PD
+    assert float(secure_pvi.norm(withheld)) == 0.0
 
 
 def test_what_secure_aggregation_refuses():
@@ -243,3 +243,14 @@ def test_what_secure_aggregation_refuses():
     with pytest.raises(ValueError, match="line_search=False"):
         secure_form(searching, pvi_algorithm.ClientMessage(None, None, None, None, None),
                     SecureSum(SCALE))
+
+
+def test_virtual_parties_and_secure_aggregation_are_refused():
+    """DP-PVI's virtual parties keep factors that sum to the client's: a clipped delta would
+    leave them apart, so the simulation refuses the combination, saying so."""
+    dp = fedppl.DPVirtualParties(clip=1.0, noise_multiplier=1.0, parties=2)
+    private = fedppl.PVI(linear_regression, fedppl.PVIGuide(linear_regression),
+                         schedule="synchronous", privacy=dp, local_steps=2)
+    state = private.init(jax.random.key(0), _clients(), runtime=SecureAggregation(SECURE).runtime)
+    with pytest.raises(ValueError, match="DPVirtualParties and secure aggregation"):
+        private.update(state)
