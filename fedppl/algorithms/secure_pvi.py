@@ -26,6 +26,9 @@ PVI's server judges each delta before it multiplies it into ``q`` (:func:`fedppl
   already damped). A total that fails is refused for every client in the sum, and each keeps
   its factor; each client applies its own delta with the step it is sent.
 
+EP's site updates (:class:`fedppl.algorithms.ep.EPMessage`, PVI's message and the sampler's
+diagnostics, which stay at the client) take the same path: EP's server is PVI's.
+
 What is lost against the plain round: the server cannot refuse one client's message and keep
 the others' (a bad total costs the round), and a wrong delta that passes its own client's check
 (a hostile client skips it) is bounded only by ``max_norm`` and the total's checks.
@@ -110,8 +113,22 @@ def summand(server: pvi.ServerState, msg: pvi.ClientMessage, max_norm: float,
     verdict = judge(server.q, msg.delta, max_norm, max_divergence)
     out = msg._replace(free_energy=jnp.zeros_like(msg.free_energy),
                        converged=~jnp.asarray(msg.converged, bool),
-                       iterations=jnp.zeros_like(msg.iterations))
+                       iterations=jnp.zeros_like(msg.iterations),
+                       **{name: _blank(getattr(msg, name), 0) for name in _extras(msg)})
     return out, verdict
+
+
+def _extras(msg: tuple) -> tuple[str, ...]:
+    """A message's fields beyond PVI's five (EP's sampler diagnostics): they stay at the client
+    (zeros in the sum, NaN in the shares)."""
+    return tuple(msg._fields[len(pvi.ClientMessage._fields):])  # type: ignore[attr-defined]
+
+
+def _blank(x, value: float):
+    if x is None:
+        return None
+    x = jnp.asarray(x)
+    return jnp.full_like(x, value if jnp.issubdtype(x.dtype, jnp.inexact) else 0)
 
 
 def judge_total(server: pvi.ServerState, total: pvi.ClientMessage, n: int | Array,
@@ -136,8 +153,11 @@ def share(server: pvi.ServerState, total: pvi.ClientMessage, n: int | Array
     def any_set(x: Array) -> Array:
         return jnp.asarray(x).astype(n_arr.dtype) > 0
 
-    return pvi.ClientMessage(
-        g.scale(total.delta, 1.0 / n_arr), jnp.full_like(total.free_energy, jnp.nan),
-        any_set(total.cavity_repaired).astype(jnp.result_type(total.cavity_repaired)),
-        (~any_set(total.converged)).astype(jnp.result_type(total.converged)),
-        jnp.zeros_like(total.iterations))
+    return total._replace(
+        delta=g.scale(total.delta, 1.0 / n_arr),
+        free_energy=jnp.full_like(total.free_energy, jnp.nan),
+        cavity_repaired=any_set(total.cavity_repaired).astype(
+            jnp.result_type(total.cavity_repaired)),
+        converged=(~any_set(total.converged)).astype(jnp.result_type(total.converged)),
+        iterations=jnp.zeros_like(total.iterations),
+        **{name: _blank(getattr(total, name), jnp.nan) for name in _extras(total)})

@@ -131,7 +131,7 @@ def secure_form(method: Any, like: Any, secure: SecureSum | None = None) -> Secu
     ``secure``; a ``ValueError`` says why a method has none: its server needs each client's
     message, not only their sum. ``method`` None: the simulation's, which sees only the
     trio (a FedBNR run, whose settings decide, is refused there)."""
-    from fedppl.algorithms import fedbnr, fsgp, pvi
+    from fedppl.algorithms import ep, fedbnr, fsgp, pvi
 
     name = getattr(method, "name", type(method).__name__)
     if adds_noise(method):
@@ -148,11 +148,11 @@ def secure_form(method: Any, like: Any, secure: SecureSum | None = None) -> Secu
                              "'avg' kernel and the global last layer ('kd' distils each "
                              "client's kernel, 'local' keeps each client's own)")
         return SecureForm(fedbnr.secure_summand, fedbnr.secure_message, "finite parameters")
-    if isinstance(like, pvi.ClientMessage) and name in ("PVI", "NoneType"):
+    if isinstance(like, (pvi.ClientMessage, ep.EPMessage)) and name in ("PVI", "EP", "NoneType"):
         if getattr(method, "schedule", "synchronous") != "synchronous":
-            raise ValueError("secure aggregation sums a synchronous round's deltas; PVI with "
-                             f"schedule={method.schedule!r} sends one client's delta at a time: "
-                             "use schedule='synchronous'")
+            raise ValueError(f"secure aggregation sums a synchronous round's deltas; {name} "
+                             f"with schedule={method.schedule!r} sends one client's delta at a "
+                             "time: use schedule='synchronous'")
         if getattr(method, "line_search", False) is not False:
             raise ValueError("PVI under secure aggregation needs line_search=False: the line "
                              "search scores candidates on each client's expected "
@@ -163,7 +163,7 @@ def secure_form(method: Any, like: Any, secure: SecureSum | None = None) -> Secu
                          float(getattr(method, "max_divergence", pvi.MAX_DIVERGENCE)))
     raise ValueError(f"{name}'s server needs each client's message, not only their sum, so "
                      "secure aggregation (Task.secure) cannot serve it; it serves synchronous "
-                     "PVI, FSGP and FedBNR")
+                     "PVI and EP, FSGP and FedBNR")
 
 
 @lru_cache(maxsize=16)
