@@ -4,18 +4,18 @@ simulation of the protocol in one process (no Flower needed).
 * :class:`SecureSum`: the settings every party knows (the scale each entry must stay within,
   the norm bound a PVI client clips its delta to, SecAgg+'s threshold);
 * :class:`SecureForm` and :func:`secure_form`: how a method's ``train`` messages enter a sum
-  (FSGP, FedBNR, synchronous PVI), what the client checks before masking, and how the server
-  folds the total (used by :mod:`fedppl.runtime.flower` with Flower's SecAgg+, and here);
-* :class:`SecureAggregation`: a runtime that runs synchronous PVI's rounds as the protocol runs
-  them, for tests and benchmarks without an engine: each client judges and clips its delta
-  (:mod:`fedppl.algorithms.secure_pvi`), encodes it as SecAgg+ does (two limbs on a grid of
-  ``2**22`` levels, as unsigned 32-bit integers) and adds pairwise masks that cancel in the sum
-  (modulo ``2**32``); the server adds what arrived, removes the masks that a dropped client's
-  partners added (SecAgg+ rebuilds them from secret shares), decodes the total and folds its
-  equal shares with PVI's own server update. A round in which fewer clients answer than
-  ``max(2, ceil(threshold * asked))`` halts, as SecAgg+ does: no update, every client keeps its
-  factor. What it leaves out is the cryptography (key agreement, secret sharing, the clients'
-  self-masks): the arithmetic, the checks and the dropouts are the protocol's.
+  (FSGP, FedBNR, synchronous PVI and EP), what the client checks before masking, and how the
+  server folds the total (used by :mod:`fedppl.runtime.flower` with Flower's SecAgg+, and here);
+* :class:`SecureAggregation`: a runtime that runs synchronous PVI's (and EP's) rounds as the
+  protocol runs them, for tests and benchmarks without an engine: each client judges and clips
+  its delta (:mod:`fedppl.algorithms.secure_pvi`), encodes it as SecAgg+ does (two limbs on a
+  grid of ``2**22`` levels, as unsigned 32-bit integers) and adds pairwise masks that cancel in
+  the sum (modulo ``2**32``); the server adds what arrived, removes the masks that a dropped
+  client's partners added (SecAgg+ rebuilds them from secret shares), decodes the total and
+  folds its equal shares with PVI's own server update. A round in which fewer clients answer
+  than ``max(2, ceil(threshold * asked))`` halts, as SecAgg+ does: no update, every client keeps
+  its factor. What it leaves out is the cryptography (key agreement, secret sharing, the
+  clients' self-masks): the arithmetic, the checks and the dropouts are the protocol's.
 
 Example (Bayesian linear regression: the secure run equals the plain one within the
 quantisation bound; the server received only masked integers)::
