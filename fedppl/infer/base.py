@@ -135,8 +135,11 @@ class Plan(NamedTuple):
     ``names``, the method's accumulators at the start (``log``), the key the rounds start from,
     the runtime's ``round_fn`` (set by ``init``), whether the server holds the data, and the
     method's own static part (``static``: PVI's guide as set up, its compiled ELBO, a private
-    run's calibration...) and a line saying what the run fits (``about``: the first line of its
-    progress)."""
+    run's calibration...), a line saying what the run fits (``about``: the first line of its
+    progress), and the server's work on the host between rounds, where it has any
+    (``next_server(state) -> server``: the state the next round starts from, made from the
+    state after a round and its record, outside the round's compiled program: the check's next
+    proposal, fitted with a library's PSIS; None: the round's own server state)."""
 
     trio: Trio
     schedule: str
@@ -151,6 +154,7 @@ class Plan(NamedTuple):
     data_at_server: bool = True
     static: Any = None
     about: str = ""
+    next_server: Callable[[RunState], Any] | None = None
 
 
 class RunLog(NamedTuple):
@@ -410,7 +414,10 @@ class FederatedMethod:
         names = tuple(plan.names[k] for k in np.nonzero(refused)[0])
         log = RunLog(state.log.rejected + tuple((new.round, who, self.refusal) for who in names),
                      names, msgs, active, method_log)
-        return new._replace(log=log), info
+        new = new._replace(log=log)
+        if plan.next_server is not None:
+            new = new._replace(server=plan.next_server(new))
+        return new, info
 
     def lower_round(self, state: RunState) -> Any:
         """The next round as XLA sees it (``jax.stages.Lowered``), with the inputs ``update``

@@ -31,7 +31,6 @@ Example (a conjugate model, q exact: k-hat small, the corrected moments are q's)
 
 from __future__ import annotations
 
-import time
 import warnings
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -48,13 +47,19 @@ from fedppl.algorithms import importance as imp
 from fedppl.clients import Clients
 from fedppl.families import gaussian as g
 from fedppl.guides.pvi_guide import PVIGuide
-from fedppl.infer.base import Result, check_rounds
+from fedppl.infer.base import (
+    FederatedMethod,
+    Plan,
+    Result,
+    RunState,
+    StopRule,
+    check_rounds,
+    shared,
+)
 from fedppl.infer.client_checks import check_clients
-from fedppl.infer.round_log import Progress
 from fedppl.model_call import positional
-from fedppl.runtime.embedded import make_round
 
-__all__ = ["Importance", "ImportanceResult", "ImportanceState", "khat_threshold",
+__all__ = ["Importance", "ImportanceResult", "ImportanceLog", "khat_threshold",
            "refuse_subsampling", "set_up_on"]
 
 
@@ -64,14 +69,12 @@ def khat_threshold(num_draws: int) -> float:
     return float(min(1.0 - 1.0 / np.log10(num_draws), 0.7))
 
 
-class ImportanceState(NamedTuple):
-    """Everything a round needs and everything the rounds so far found: the proposals and how
-    many draws each gave, all draws ``(N, D)``, their log prior and the clients'
-    log-likelihoods ``(K, N)``, the next proposal, the clients' states (their private guides as
-    Laplace starting points, or None), their padded data, masks and names, the key and the
-    round. ``variance`` ``(N,)``: the summed variance of the clients' estimates at each draw
-    (zero without local sites). ``compiled``: the run's compiled exchange and the server's log
-    prior (set by :meth:`Importance.init`; None: not started)."""
+class ImportanceLog(NamedTuple):
+    """The rounds so far, as the server keeps them (the run's accumulators,
+    ``state.log.method``): the proposals and how many draws each gave, all draws ``(N, D)``,
+    their log prior and the clients' log-likelihoods ``(K, N)``, ``variance`` ``(N,)`` (the
+    summed variance of the clients' estimates at each draw; zero without local sites) and the
+    next round's proposal."""
 
     proposals: tuple[imp.Proposal, ...]
     counts: tuple[int, ...]
@@ -80,13 +83,6 @@ class ImportanceState(NamedTuple):
     log_lik: np.ndarray
     variance: np.ndarray
     next: imp.Proposal
-    clients: Any
-    data: tuple
-    masks: Array
-    names: tuple[str, ...]
-    rng_key: Array
-    round: int
-    compiled: tuple[Callable, Callable] | None = None
 
 
 @dataclass(kw_only=True)
@@ -195,14 +191,22 @@ class ImportanceResult(Result):
                                  "num_draws": len(self.draws), "reliable": int(self.reliable)}})
 
 
-class Importance:
+class Importance(FederatedMethod):
     """Importance sampling of the pooled posterior from a federated answer (the front of the
-    check and of the refinement, with numpyro ``SVI``'s shape: ``init`` / ``update`` / ``run``).
+    check and of the refinement): a plan on the one driver, so it runs on every runtime
+    (embedded, faults, Flower) with ``init`` / ``update`` / ``run`` as every method.
+
+    Each round the server sends ``num_draws`` draws of the global sites (its broadcast), each
+    client answers with its log-likelihood at each (and, with local sites, the variance of its
+    estimate); the server, on the host between rounds, forms the weights of all draws so far
+    (PSIS), their k-hat and ESS, and the next round's proposal, and draws from it.
 
     :param model: the NumPyro model (the static keyword arguments are given to :meth:`run`).
     :param guide: the :class:`~fedppl.guides.PVIGuide` the answer was fitted with (its layout
         names the global sites and the prior).
     :param start: the answer to check: a Gaussian over the flat unconstrained global vector.
+    :param local: the clients' private guides (stacked, as ``PVIResult.local``): the starting
+        points of their Laplace steps (default, or with another number of clients: zero).
     :param num_draws: ``S``, the draws each round sends each client (at least 100).
     :param first_df: degrees of freedom of the first proposal, centred at ``start`` with its
         covariance as scale (default ``inf``: ``start`` itself). The first round is the check,
@@ -230,12 +234,12 @@ class Importance:
 
     name = "Importance"
     progress: ClassVar[tuple[str, ...]] = ("khat", "ess")  # the bar: the weights' k-hat and ESS
+    refusal = "no log-likelihoods (the client did not answer): the round was void"
 
     def __init__(self, model: Callable, guide: PVIGuide, start: g.Gaussian, *,
-                 num_draws: int = 1000, first_df: float = np.inf, df: float = 7.0,
-                 local_draws: int = 64,
-                 newton_steps: int = 10, khat_target: float = 0.5, ess_target: float = 2000.0,
-                 batch_size: int = 256):
+                 local: Any = None, num_draws: int = 1000, first_df: float = np.inf,
+                 df: float = 7.0, local_draws: int = 64, newton_steps: int = 10,
+                 khat_target: float = 0.5, ess_target: float = 2000.0, batch_size: int = 256):
         num_draws = validation.positive_int(num_draws, "num_draws")
         if num_draws < imp.MIN_DRAWS:
             raise ValueError(f"num_draws must be at least {imp.MIN_DRAWS} (the Pareto fit of "
@@ -248,112 +252,76 @@ class Importance:
         if local_draws % 2:
             raise ValueError(f"local_draws must be even (antithetic pairs), got {local_draws}")
         self.model, self.guide, self.start = positional(model), guide, start
+        self.local = local
         self.num_draws, self.local_draws = num_draws, local_draws
         self.first_df, self.df = float(first_df), float(df)
         self.newton_steps = validation.positive_int(newton_steps, "newton_steps")
         self.khat_target, self.ess_target = float(khat_target), float(ess_target)
         self.batch_size = validation.positive_int(batch_size, "batch_size")
 
-    def init(self, rng_key: Array, clients: Clients, local: Any = None,
-             **model_kwargs: Any) -> ImportanceState:
-        """Check the clients against the answer's model and guide; the first proposal is
-        ``start`` itself (or, with ``first_df``, the t with its mean and covariance as scale).
-        ``local``: the clients' private guides (stacked), starting points of their Laplace
-        steps."""
-        rng_key = validation.rng_key(rng_key)
-        layout = self._check(clients, model_kwargs)
-        compiled = _compiled(self.model, self.guide, model_kwargs, self.local_draws,
-                             self.newton_steps, self.batch_size)
+    # -- the plan -------------------------------------------------------------------------------
+
+    def _plan(self, rng_key: Array, clients: Clients, *, data_at_server: bool = True,
+              **model_kwargs: Any) -> Plan:
+        """The answer's guide set up on the clients and checked against it; the first round's
+        draws from ``start`` (or, with ``first_df``, the t with its mean and covariance as
+        scale)."""
+        layout = set_up_on(self.guide, self.start, self.model, clients, model_kwargs,
+                           "the check")
+        trio, log_prior = shared(_exchange, self.model, self.guide, self.guide.signature,
+                                 tuple(sorted(model_kwargs.items())), self.local_draws,
+                                 self.newton_steps, self.batch_size)
         first = imp.from_gaussian(self.start, self.first_df)
-        if local is not None and jax.tree_util.tree_leaves(local)[0].shape[0] != len(
-                clients.names):
+        K = clients.num_clients
+        local = self.local
+        if local is not None and jax.tree_util.tree_leaves(local)[0].shape[0] != K:
             local = None  # a pooled answer's guide: start each Laplace step at zero instead
         D = layout.dim
-        dtype = first.mean.dtype
-        return ImportanceState((), (), np.zeros((0, D), dtype), np.zeros(0),
-                               np.zeros((clients.num_clients, 0)), np.zeros(0), first, local,
-                               clients.stacked, clients.mask, clients.names, rng_key, 0,
-                               compiled)
+        log = ImportanceLog((), (), np.zeros((0, D), first.mean.dtype), np.zeros(0),
+                            np.zeros((K, 0)), np.zeros(0), first)
+        static = _Static(self.guide, log_prior, self.num_draws, self.df,
+                         tuple(np.asarray(m) for m in g.to_moments(g.to_full(self.start))))
+        return Plan(trio, "synchronous", imp.Broadcast(_draws(rng_key, first, self.num_draws)),
+                    local, _record, _result, log=log, rng_key=rng_key, static=static,
+                    next_server=_next_server)
 
-    def _check(self, clients: Clients, model_kwargs: dict):
-        if not isinstance(clients, Clients):
-            raise TypeError(f"clients must be a fedppl.Clients (see fedppl.partition), got "
-                            f"{type(clients).__name__}")
-        return set_up_on(self.guide, self.start, self.model, clients, model_kwargs, "the check")
-
-    def update(self, state: ImportanceState) -> tuple[ImportanceState, dict[str, Any]]:
-        """One exchange: draws from ``state.next`` down, log-likelihoods up; then the weights
-        of all draws so far, their k-hat and ESS, and the next proposal."""
-        compiled = getattr(state, "compiled", None)
-        if compiled is None:
-            raise RuntimeError("call Importance.init(rng_key, clients) before update")
-        round_fn, log_prior_fn = compiled
+    def _round_inputs(self, state: RunState) -> tuple[Array, Array, Array, Array, Array]:
+        # the key that drew this round's draws (_draws) is also the server's
         K = state.masks.shape[0]
         rng_key, k_draw, k_clients = jax.random.split(state.rng_key, 3)
-        draws = imp.sample(k_draw, state.next, self.num_draws)
-        t0 = time.perf_counter()
-        _, _, msgs, _ = round_fn(imp.Broadcast(draws), state.clients, state.data, state.masks,
-                                 jax.random.split(k_clients, K), jnp.ones(K, bool), k_draw)
-        msgs = jax.block_until_ready(msgs)
-        seconds = time.perf_counter() - t0
-        values = np.asarray(msgs.log_lik, np.float64)
-        _check_messages(values, state.names)  # before anything is kept
-        var = (np.zeros(values.shape[1]) if msgs.variance is None
-               else np.asarray(msgs.variance, np.float64).sum(0))
-        proposals = (*state.proposals, state.next)
-        counts = (*state.counts, self.num_draws)
-        all_draws = np.concatenate([state.draws, np.asarray(draws)])
-        log_prior = np.concatenate([state.log_prior, np.asarray(log_prior_fn(draws),
-                                                                np.float64)])
-        log_lik = np.concatenate([state.log_lik, values], axis=1)
-        variance = np.concatenate([state.variance, var])
-        ratios = _log_ratios(proposals, counts, all_draws, log_prior, log_lik)
-        lw, khat = imp.psis(ratios)
-        n_eff = imp.ess(lw)
-        D = all_draws.shape[1]
-        min_ess = min(max(5.0 * D, self.num_draws / 10), self.num_draws / 2)
-        nxt = imp.tempered_fit(all_draws, ratios, state.next, min_ess, self.df,
-                               anchor=proposals[0])
-        new = ImportanceState(proposals, counts, all_draws, log_prior, log_lik, variance, nxt,
-                              state.clients, state.data, state.masks, state.names, rng_key,
-                              state.round + 1, state.compiled)
-        item = np.dtype(draws.dtype).itemsize
-        per_client = len(jax.tree_util.tree_leaves(msgs))  # log-likelihoods (and variances)
-        info = {"round": new.round, "seconds": seconds, "messages_up": K, "messages_down": K,
-                "bytes_up": K * per_client * self.num_draws * item,
-                "bytes_down": K * self.num_draws * D * item, "rejected": 0,
-                "khat": khat, "ess": n_eff, "local_sd": _local_sd(lw, variance)}
-        return new, info
+        return rng_key, jax.random.split(k_clients, K), jnp.ones(K, bool), k_draw, k_draw
+
+    def _refused(self, replies: Any, active: np.ndarray) -> np.ndarray:
+        return ~np.asarray(replies, bool)
+
+    def _tol_rule(self, tol: float | None) -> StopRule | None:
+        give_up = tol
+
+        def rule(rows: list[dict[str, Any]]) -> str | None:
+            khat, n_eff = rows[-1]["khat"], rows[-1]["ess"]
+            if khat < self.khat_target and n_eff >= self.ess_target:
+                return (f"k-hat {khat:.2f} < khat_target {self.khat_target:g} and ESS "
+                        f"{n_eff:.0f} >= ess_target {self.ess_target:g}")
+            if give_up is not None and khat > give_up:
+                return f"k-hat {khat:.2f} > {give_up:.2f}"
+            return None
+
+        return rule
 
     def run(self, rng_key: Array, clients: Clients, num_rounds: int = 1, *,
-            progress_bar: bool = True, local: Any = None, warn: bool = True,
+            progress_bar: bool = True, runtime: Any = None, warn: bool = True,
             give_up: float | None = None, **model_kwargs: Any) -> ImportanceResult:
         """Up to ``num_rounds`` exchanges, stopping once k-hat is below ``khat_target`` and the
         ESS above ``ess_target``; warns when the final k-hat is above the reliability
-        threshold. ``give_up``: stop after the first round (the check) if its k-hat is above
-        this (``refine`` then turns to the sampler), without the warning."""
+        threshold. ``give_up``: stop after a round whose k-hat is above this (``refine`` then
+        turns to the sampler), without the warning. ``runtime`` runs the rounds (None: the
+        embedded runtime; see :class:`fedppl.runtime.Runtime`)."""
         num_rounds = check_rounds(num_rounds)
-        state = self.init(rng_key, clients, local, **model_kwargs)
-        rows = []
-        bar = Progress(self.name, num_rounds, self.progress, progress_bar)
-        why = None
-        try:
-            for _ in range(num_rounds):
-                state, info = self.update(state)
-                rows.append(info)
-                bar.update(info)
-                if info["khat"] < self.khat_target and info["ess"] >= self.ess_target:
-                    why = (f"k-hat {info['khat']:.2f} < khat_target {self.khat_target:g} and "
-                           f"ESS {info['ess']:.0f} >= ess_target {self.ess_target:g}")
-                    break
-                if give_up is not None and info["khat"] > give_up:
-                    why, warn = f"k-hat {info['khat']:.2f} > {give_up:.2f}", False
-                    break
-        finally:
-            early = why if len(rows) < num_rounds else None
-            bar.close(early)
-        result = self.result(state, {k: np.asarray([r[k] for r in rows]) for k in rows[0]})
-        result.stopped = early
+        state = self.init(rng_key, clients, runtime=runtime, **model_kwargs)
+        result = self._loop(state, num_rounds, progress_bar, self._tol_rule(give_up))
+        assert isinstance(result, ImportanceResult)
+        if give_up is not None and result.history["khat"][-1] > give_up:
+            warn = False
         if warn and not result.reliable:
             warnings.warn(_advice(result, num_rounds), UserWarning, stacklevel=2)
         if warn and result.local_sd > LOCAL_SD:
@@ -366,19 +334,76 @@ class Importance:
                 UserWarning, stacklevel=2)
         return result
 
-    def result(self, state: ImportanceState, history: dict[str, np.ndarray]
-               ) -> ImportanceResult:
-        """The weighted draws of ``state`` as a result."""
-        ratios = _log_ratios(state.proposals, state.counts, state.draws, state.log_prior,
-                             state.log_lik)
-        lw, khat = imp.psis(ratios)
-        return ImportanceResult(guide=self.guide, draws=state.draws, log_ratios=ratios,
-                                log_weights=lw, log_lik=state.log_lik, khat=khat,
-                                ess=imp.ess(lw), local_sd=_local_sd(lw, state.variance),
-                                history=history, client_names=state.names,
-                                start_moments=tuple(np.asarray(m) for m in
-                                                    g.to_moments(g.to_full(self.start))),
-                                proposals=state.proposals)
+
+class _Static:
+    """A run's static part (``plan.static``): the guide, the server's compiled log prior, the
+    draws per round, the later proposals' degrees of freedom and the start's moments."""
+
+    def __init__(self, guide, log_prior, num_draws, df, start_moments):
+        self.guide, self.log_prior, self.num_draws, self.df = guide, log_prior, num_draws, df
+        self.start_moments = start_moments
+
+
+def _draws(rng_key: Array, proposal: imp.Proposal, num_draws: int) -> Array:
+    """The draws of the round whose key is ``rng_key`` (see ``Importance._round_inputs``)."""
+    return imp.sample(jax.random.split(rng_key, 3)[1], proposal, num_draws)
+
+
+def _record(before: RunState, after: RunState, msgs: Any, replies: Any, active: np.ndarray,
+            rng_key: Array) -> tuple[ImportanceLog, dict[str, Any]]:
+    """The round's log-likelihoods joined to the draws so far: their weights, k-hat and ESS,
+    and the next proposal (a t fitted to the weighted draws)."""
+    plan = after.plan
+    assert plan is not None
+    st: _Static = plan.static
+    log: ImportanceLog = before.log.method
+    if (~np.asarray(replies, bool) & np.asarray(active, bool)).any():
+        # a client did not answer (a dropout; named in ``rejected``): the weights need every
+        # client's log-likelihood at every draw, so the round is void and the next draws again
+        return log, {"khat": np.nan, "ess": np.nan, "local_sd": np.nan}
+    values = np.asarray(msgs.log_lik, np.float64)
+    _check_messages(values, plan.names)  # before anything is kept
+    var = (np.zeros(values.shape[1]) if msgs.variance is None
+           else np.asarray(msgs.variance, np.float64).sum(0))
+    draws = before.server.draws
+    proposals = (*log.proposals, log.next)
+    counts = (*log.counts, int(draws.shape[0]))
+    all_draws = np.concatenate([log.draws, np.asarray(draws)])
+    log_prior = np.concatenate([log.log_prior, np.asarray(st.log_prior(draws), np.float64)])
+    log_lik = np.concatenate([log.log_lik, values], axis=1)
+    variance = np.concatenate([log.variance, var])
+    ratios = _log_ratios(proposals, counts, all_draws, log_prior, log_lik)
+    lw, khat = imp.psis(ratios)
+    n_eff = imp.ess(lw)
+    D = all_draws.shape[1]
+    S = st.num_draws
+    min_ess = min(max(5.0 * D, S / 10), S / 2)
+    nxt = imp.tempered_fit(all_draws, ratios, log.next, min_ess, st.df, anchor=proposals[0])
+    new = ImportanceLog(proposals, counts, all_draws, log_prior, log_lik, variance, nxt)
+    return new, {"khat": khat, "ess": n_eff, "local_sd": _local_sd(lw, variance)}
+
+
+def _next_server(state: RunState) -> imp.Broadcast:
+    """The next round's draws, from the proposal the last round's record fitted."""
+    plan = state.plan
+    assert plan is not None
+    return imp.Broadcast(_draws(state.rng_key, state.log.method.next, plan.static.num_draws))
+
+
+def _result(state: RunState, history: dict[str, np.ndarray],
+            rejected: list[tuple[int, str, str]]) -> ImportanceResult:
+    """The weighted draws of the rounds as a result."""
+    plan = state.plan
+    assert plan is not None
+    st: _Static = plan.static
+    log: ImportanceLog = state.log.method
+    ratios = _log_ratios(log.proposals, log.counts, log.draws, log.log_prior, log.log_lik)
+    lw, khat = imp.psis(ratios)
+    return ImportanceResult(guide=st.guide, draws=log.draws, log_ratios=ratios,
+                            log_weights=lw, log_lik=log.log_lik, khat=khat, ess=imp.ess(lw),
+                            local_sd=_local_sd(lw, log.variance), history=history,
+                            client_names=plan.names, rejected=rejected,
+                            start_moments=st.start_moments, proposals=log.proposals)
 
 
 def _local_sd(log_weights: np.ndarray, variance: np.ndarray) -> float:
@@ -459,28 +484,22 @@ def _advice(result: ImportanceResult, rounds: int) -> str:
 # nats: above this sd of the summed local estimates at the weighted draws, the check warns
 LOCAL_SD = 0.5
 
-_CACHE: dict = {}
+def _exchange(model: Callable, guide: PVIGuide, signature: Any, model_kwargs: tuple,
+              local_draws: int, newton_steps: int, batch_size: int) -> tuple[Any, Callable]:
+    """The check's trio and the server's compiled log prior for a model, guide (as set up:
+    ``signature``) and settings, made once through :func:`~fedppl.infer.base.shared` (so every
+    check of the same answer shares one compiled round)."""
+    kwargs = dict(model_kwargs)
+    bound = partial(model, **kwargs) if kwargs else model
+    trio = imp.make_trio(imp.client_log_lik(bound, guide, local_draws, newton_steps, batch_size))
+    prior, correction = guide.prior_or_raise(), guide.prior_correction
 
+    @jax.jit
+    def log_prior(draws):
+        lp = jax.vmap(lambda th: g.log_prob(prior, th))(draws)
+        return lp if correction is None else lp + jax.vmap(correction)(draws)
 
-def _compiled(model: Callable, guide: PVIGuide, model_kwargs: dict, local_draws: int,
-              newton_steps: int, batch_size: int):
-    """The compiled exchange and the server's log prior, shared by every check of the same
-    model, guide and settings."""
-    key = (model, id(guide), guide.signature, repr(sorted(model_kwargs.items())), local_draws,
-           newton_steps, batch_size)
-    if key not in _CACHE:
-        bound = partial(model, **model_kwargs) if model_kwargs else model
-        trio = imp.make_trio(imp.client_log_lik(bound, guide, local_draws, newton_steps,
-                                                batch_size))
-        prior, correction = guide.prior_or_raise(), guide.prior_correction
-
-        @jax.jit
-        def log_prior(draws):
-            lp = jax.vmap(lambda th: g.log_prob(prior, th))(draws)
-            return lp if correction is None else lp + jax.vmap(correction)(draws)
-
-        _CACHE[key] = (make_round(trio, "synchronous"), log_prior)
-    return _CACHE[key]
+    return trio, log_prior
 
 
 # the keyword arguments of ``PVIResult.check`` and ``refine`` that are the check's settings (the

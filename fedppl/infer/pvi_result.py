@@ -175,7 +175,8 @@ class PVIResult(Result):
         """How far ``q`` is from the posterior the pooled data give, in one more round: ``S``
         draws of the global sites to every client, ``S`` log-likelihoods back; Pareto k-hat,
         effective sample size and corrected moments (:class:`fedppl.infer.importance.Importance`
-        takes the other keyword arguments: ``df``, ``local_draws``, ...; the rest are the
+        takes the other keyword arguments: ``df``, ``local_draws``, ...; ``runtime`` runs its
+        round, as any method's, e.g. :class:`fedppl.runtime.faults.Faults`; the rest are the
         model's static keyword arguments, by default those the run was given). Warns when k-hat
         says the answer is unreliable. Needs ``fedppl[arviz]`` (arviz-stats' PSIS)."""
         return self._importance(rng_key, clients, 1, num_draws, progress_bar, kwargs)
@@ -199,8 +200,9 @@ class PVIResult(Result):
           result's ``chosen`` and, with ``progress_bar``, on stderr.
 
         Keyword arguments are the method's settings (:class:`fedppl.SMC`'s, such as
-        ``num_particles``, or :class:`fedppl.Importance`'s, such as ``df``); the rest are the
-        model's static keyword arguments (by default those the run was given)."""
+        ``num_particles``, or :class:`fedppl.Importance`'s, such as ``df``; ``runtime``, the
+        runtime of its rounds); the rest are the model's static keyword arguments (by default
+        those the run was given)."""
         import inspect
 
         from fedppl.infer.importance import SETTINGS, khat_threshold
@@ -260,9 +262,11 @@ class PVIResult(Result):
         ``kwargs`` by ``refine``)."""
         from fedppl.infer.smc import SMC
 
+        kwargs = dict(kwargs)
+        runtime = kwargs.pop("runtime", None)
         method = SMC(self.guide.model, self.guide, self.q, **{"local": self.local, **settings})
         return method.run(rng_key, clients, num_rounds, progress_bar=progress_bar, warn=warn,
-                          stop=stop, **self._model_kwargs(kwargs))
+                          stop=stop, runtime=runtime, **self._model_kwargs(kwargs))
 
     def _importance(self, rng_key, clients, num_rounds, num_draws, progress_bar, kwargs):
         from fedppl.infer.importance import SETTINGS, Importance
@@ -272,8 +276,9 @@ class PVIResult(Result):
         warn = bool(kwargs.pop("warn", True))
         give_up = kwargs.pop("give_up", None)
         settings = {k: kwargs.pop(k) for k in list(kwargs) if k in SETTINGS}
-        method = Importance(self.guide.model, self.guide, self.q, num_draws=num_draws,
-                            **settings)
+        runtime = kwargs.pop("runtime", None)
+        method = Importance(self.guide.model, self.guide, self.q, local=self.local,
+                            num_draws=num_draws, **settings)
         return method.run(rng_key, clients, num_rounds, progress_bar=progress_bar,
-                          local=self.local, warn=warn, give_up=give_up,
+                          runtime=runtime, warn=warn, give_up=give_up,
                           **self._model_kwargs(kwargs))

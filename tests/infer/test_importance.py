@@ -92,6 +92,30 @@ def test_a_too_narrow_answer_is_flagged_and_refined(conjugate):
     assert draws["w"].shape == (500, D)
 
 
+def test_a_round_a_client_missed_is_void(conjugate):
+    """The check on a runtime that loses messages (:class:`fedppl.runtime.faults.Faults`): a
+    round in which a client did not answer keeps none of its draws (the weights need every
+    client's log-likelihood at every draw), names the client in ``rejected``, and the next round
+    draws again; the rounds every client answered give the exact posterior's moments."""
+    from fedppl.runtime.faults import Faults
+
+    res, clients, mean, cov = conjugate
+    faults = Faults(dropout=0.1, seed=3)
+    refined = res.refine(jax.random.key(1), clients, num_rounds=4, num_draws=500,
+                         method="importance", ess_target=1e9, runtime=faults,
+                         progress_bar=False, warn=False)
+    void = sorted({r for r, _, _ in faults.events})
+    assert 0 < len(void) < 4, faults.events  # this seed loses some rounds, not all
+    assert {(r, clients.names[k]) for r, k, _ in faults.events} == {
+        (r, who) for r, who, _ in refined.rejected}
+    khat = refined.history["khat"]
+    assert np.all(np.isnan(khat[np.asarray(void) - 1]))
+    assert (~np.isnan(khat)).sum() == 4 - len(void)
+    assert len(refined.draws) == 500 * (4 - len(void)) == refined.log_lik.shape[1]
+    mean_err, sd_err = errors(refined, mean, cov)
+    assert mean_err < 0.2 and sd_err < 0.15, (mean_err, sd_err)
+
+
 def test_refine_reaches_the_pooled_posterior_with_local_sites():
     """Twenty groups on ten clients, a weak group scale: PVI's Gaussian is off in the
     log-scale (it cannot carry the skew); the check flags it and refine, with each client's

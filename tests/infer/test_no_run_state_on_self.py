@@ -14,7 +14,7 @@ import pytest
 
 import fedppl
 from fedppl.algorithms import cotraining as ct
-from fedppl.dp_statistics import PrivateStatistics
+from fedppl.algorithms.dp_statistics import PrivateStatistics
 from fedppl.models.random_features import URKSpec
 from tests.conftest import linear_model
 
@@ -228,7 +228,7 @@ def test_co_training(parties):
 
 
 def test_importance(conjugate, answer):
-    """Runs with other keys, interleaved; the compiled exchange is in the state."""
+    """Runs with other keys, interleaved; the compiled exchange is in the state's plan."""
     one = _importance(answer)
     before = attributes(one)
     a = one.init(jax.random.key(1), conjugate)
@@ -240,7 +240,7 @@ def test_importance(conjugate, answer):
     for state, key in [(a, 1), (b, 2)]:
         method = _importance(answer)
         want, _ = _alone(method, method.init(jax.random.key(key), conjugate), 2)
-        np.testing.assert_array_equal(state.draws, want.draws)
-        np.testing.assert_array_equal(state.log_lik, want.log_lik)
+        np.testing.assert_array_equal(state.log.method.draws, want.log.method.draws)
+        np.testing.assert_array_equal(state.log.method.log_lik, want.log.method.log_lik)
     with pytest.raises(RuntimeError, match=r"call Importance.init.* before update"):
-        one.update(a._replace(compiled=None))
+        one.update(a._replace(plan=None))

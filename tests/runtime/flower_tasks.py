@@ -21,12 +21,12 @@ from fedppl.runtime.faults import corrupt
 from fedppl.runtime.flower import Task
 
 TASKS = ("pvi-synchronous", "pvi-sequential", "fsgp", "fedbnr", "sgp-dpo", "pfedmul",
-         "smc")
+         "smc", "check")
 ROUNDS = 3
 
 
 def _data(name: str):
-    if name.startswith("pvi") or name == "smc":
+    if name.startswith("pvi") or name in ("smc", "check"):
         rng = np.random.default_rng(0)
         X = rng.normal(size=(90, 2))
         y = X @ np.array([1.0, -0.5]) + rng.normal(size=90)
@@ -64,6 +64,10 @@ def _method(name: str):
         clients, _ = _data(name)
         guide = fedppl.PVIGuide(linear_regression).setup(*clients.client(0))
         return fedppl.SMC(linear_regression, guide, guide.prior, num_particles=100, islands=2)
+    if name == "check":  # the check and its refinement (importance rounds) from the prior
+        clients, _ = _data(name)
+        guide = fedppl.PVIGuide(linear_regression).setup(*clients.client(0))
+        return fedppl.Importance(linear_regression, guide, guide.prior, num_draws=200)
     if name.startswith("pvi"):
         return fedppl.PVI(linear_regression, fedppl.PVIGuide(linear_regression),
                           schedule=name.split("-")[1])
