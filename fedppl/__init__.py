@@ -18,8 +18,8 @@ Example::
 
 from fedppl import datasets, families, handlers, metrics, partition
 from fedppl.algorithms.dp_pvi import DPLocalAveraging, DPOptimisation, DPVirtualParties
+from fedppl.algorithms.dp_statistics import PrivateStatistics
 from fedppl.clients import Clients
-from fedppl.dp_statistics import PrivateStatistics
 from fedppl.guides import PVIGuide
 from fedppl.infer import (
     FSGP,

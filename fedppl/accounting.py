@@ -5,7 +5,7 @@ or not, composed over steps and rounds); this module turns an event into its ``e
 given ``delta`` (:func:`epsilon`) and finds the smallest noise multiplier whose event meets a
 target ``(epsilon, delta)`` (:func:`calibrate`). The mechanisms themselves live with the
 methods that release something (:mod:`fedppl.algorithms.dp_pvi`, :mod:`fedppl.privacy`,
-:mod:`fedppl.dp_statistics`); they all count here.
+:mod:`fedppl.algorithms.dp_statistics`); they all count here.
 
 Neighbouring data sets differ by one record added or removed (``ADD_OR_REMOVE_ONE``), except for
 fixed-size subsampling without replacement, whose amplification ``dp_accounting`` states for

@@ -1,4 +1,5 @@
-"""Private sufficient statistics (fedppl.dp_statistics) and their use in FedBNR and FSGP."""
+"""Private sufficient statistics (fedppl.algorithms.dp_statistics) and their use in FedBNR and
+FSGP."""
 
 from __future__ import annotations
 
@@ -11,10 +12,10 @@ import pytest
 from scipy.stats import norm
 
 import fedppl
-from fedppl import dp_statistics as dps
+from fedppl.algorithms import dp_statistics as dps
 from fedppl.algorithms import exact, fsgp
 from fedppl.algorithms import fedbnr as bnr
-from fedppl.dp_statistics import PrivateStatistics
+from fedppl.algorithms.dp_statistics import PrivateStatistics
 from fedppl.models.random_features import URKSpec
 
 NO_CLIP = dict(feature_bound=1e6, target_bound=1e6)

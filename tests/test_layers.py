@@ -13,8 +13,8 @@ Layers, bottom up (:data:`LAYERS` is the one place the map lives):
 4. ``models``: ready NumPyro models and their kernels;
 5. ``guides``: guides over a model's sites (the sparse-GP guides build on ``models.svgp``, so
    models sit below guides, as in DESIGN's "model -> guide");
-6. ``algorithms``, and ``dp_statistics`` (the private release of ``algorithms.exact``'s
-   statistics, which ``algorithms.fedbnr`` and ``algorithms.fsgp`` use): the trios;
+6. ``algorithms``: the trios (with ``algorithms.dp_statistics``, the private release of
+   ``algorithms.exact``'s statistics that ``algorithms.fedbnr`` and ``algorithms.fsgp`` use);
 7. ``runtime``: who runs a trio;
 8. front: ``infer``, ``cli``, ``__main__``, ``datasets``, ``metrics``, ``arviz``, ``audit`` and the
    package's ``__init__``;
@@ -27,6 +27,9 @@ one exception: inside a function, the optional-extra loaders of the front's ``fe
 only the extra (``fedppl.arviz`` imports nothing above base at module level, checked here) and
 exist so that a missing extra fails with one message wherever it is needed (PSIS in
 ``algorithms.importance`` needs ``arviz_stats``).
+
+No circles: no two files import each other, directly or around a longer circle (lazy imports
+count), in fedppl and ``fedppl_experiments`` together.
 
 Private names stay in their module: no ``from fedppl.x import _y`` from another module, no
 private submodule (``fedppl.handlers._observed``) imported from outside its package, and no
@@ -60,7 +63,7 @@ LAYERS: tuple[tuple[str, tuple[str, ...]], ...] = (
     ("handlers", ("fedppl.handlers",)),
     ("models", ("fedppl.models",)),
     ("guides", ("fedppl.guides",)),
-    ("algorithms", ("fedppl.algorithms", "fedppl.dp_statistics")),
+    ("algorithms", ("fedppl.algorithms",)),
     ("runtime", ("fedppl.runtime",)),
     ("front", ("fedppl.infer", "fedppl.cli", "fedppl.__main__", "fedppl.datasets",
                "fedppl.metrics", "fedppl.arviz", "fedppl.audit", "fedppl")),
@@ -113,7 +116,8 @@ def read_package(root: Path = ROOT) -> dict[str, Source]:
 
 
 def _is_fedppl(name: str) -> bool:
-    return name == "fedppl" or name.startswith("fedppl.")
+    """A module of fedppl or of its experiments package (whose imports of each other count)."""
+    return name.split(".")[0] in ("fedppl", "fedppl_experiments")
 
 
 def _walk(node: ast.AST, lazy: bool = False):
@@ -265,6 +269,43 @@ def tree_helper_copies(sources: dict[str, Source]) -> set[str]:
     return out
 
 
+def circles(imports: list[Import], modules: set[str]) -> list[list[str]]:
+    """The import circles between files: each strongly connected set of two or more modules of
+    the graph ``importer -> target`` (every import counts, lazy ones too), sorted."""
+    graph: dict[str, set[str]] = {m: set() for m in modules}
+    for imp in imports:
+        if imp.target != imp.importer and imp.target in modules:
+            graph[imp.importer].add(imp.target)
+    order: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    found: list[list[str]] = []
+
+    def visit(v: str) -> None:  # Tarjan's algorithm
+        order[v] = low[v] = len(order)
+        stack.append(v)
+        for w in graph[v]:
+            if w not in order:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in stack:
+                low[v] = min(low[v], order[w])
+        if low[v] == order[v]:
+            part = []
+            while True:
+                w = stack.pop()
+                part.append(w)
+                if w == v:
+                    break
+            if len(part) > 1:
+                found.append(sorted(part))
+
+    for v in sorted(graph):
+        if v not in order:
+            visit(v)
+    return sorted(found)
+
+
 def _compare(found: set[str], kind: str) -> None:
     known = {k for k in KNOWN if _kind(k) == kind}
     new, stale = sorted(found - known), sorted(known - found)
@@ -312,6 +353,17 @@ def test_private_names_stay_in_their_module(imports, sources):
 
 def test_tree_helpers_exist_once(sources):
     _compare(tree_helper_copies(sources), "tree helper copies")
+
+
+def test_no_import_circles_between_files(sources):
+    """No two files import each other, directly or around a circle, in fedppl and its
+    experiments package together (the command-line interface is the top: the command modules
+    register without importing it back)."""
+    every = {**sources, **read_package(ROOT.parent / "fedppl_experiments")}
+    modules = set(every)
+    found = circles([imp for src in every.values() for imp in imports_of(src, modules)],
+                    modules)
+    assert found == [], found
 
 
 def test_extra_loaders_import_only_the_base(sources, imports):
@@ -368,3 +420,18 @@ def test_the_checker_reports_a_fake_upward_edge(sources):
     assert {"fedppl.families.fake._index", "fedppl.families.fake.take"} <= copies
     with pytest.raises(AssertionError, match="new offences"):
         _compare(upward(imports), "upward imports")
+
+
+def test_the_checker_finds_a_fake_circle():
+    """Three files around a circle (one import lazy) and a pair: two circles; a chain: none."""
+    text = {"fedppl.x.a": "from fedppl.x import b\n",
+            "fedppl.x.b": "def f():\n    from fedppl.x.c import g\n",
+            "fedppl.x.c": "import fedppl.x.a\n",
+            "fedppl_experiments.p": "from fedppl_experiments import q\n",
+            "fedppl_experiments.q": "from fedppl_experiments.p import run\n",
+            "fedppl.y.chain": "from fedppl.x import a\n"}
+    fake = {name: Source(name, ast.parse(body), False) for name, body in text.items()}
+    modules = set(fake)
+    imports = [imp for src in fake.values() for imp in imports_of(src, modules)]
+    assert circles(imports, modules) == [["fedppl.x.a", "fedppl.x.b", "fedppl.x.c"],
+                                         ["fedppl_experiments.p", "fedppl_experiments.q"]]

@@ -17,13 +17,13 @@ the best-scoring kernels with their last layers (without validation data: the la
 ``done`` is set: phase 2 has been reached, the kernels and the last layers are final and later
 rounds change nothing.
 
-Private statistics (``Settings.privacy``, a :class:`fedppl.dp_statistics.Mechanism`): at every
-evaluation each client clips its features and targets and adds Gaussian noise to each kernel's
+Private statistics (``Settings.privacy``, a :class:`fedppl.algorithms.dp_statistics.Mechanism`): at
+every evaluation each client clips its features and targets and adds Gaussian noise to each kernel's
 statistics with its own round key (kept in :class:`ClientState`), so they leave it noised; the
-server projects every summed scatter matrix onto the PSD cone and forms the last layers with
-the noise in the projections weighed in their likelihood
-(:func:`fedppl.dp_statistics.noise_aware_posterior`); it records in ``ServerState.repaired``
-how many eigenvalues it raised. The phase-1 kernels are not privatised.
+server projects every summed scatter matrix onto the PSD cone and forms the last layers with the
+noise in the projections weighed in their likelihood
+(:func:`fedppl.algorithms.dp_statistics.noise_aware_posterior`); it records in
+``ServerState.repaired`` how many eigenvalues it raised. The phase-1 kernels are not privatised.
 
 Example (two clients, two rounds of FedAvg, the last layer at the planned last round)::
 
@@ -57,8 +57,8 @@ import jax.numpy as jnp
 import optax
 from jax import Array
 
-from fedppl import dp_statistics, trees
-from fedppl.algorithms import exact, fedavg
+from fedppl import trees
+from fedppl.algorithms import dp_statistics, exact, fedavg
 from fedppl.algorithms.trio import Trio
 from fedppl.families import gaussian as g
 from fedppl.models.random_features import URKParams, urk_features
@@ -281,9 +281,9 @@ def private_last_layers(stats: exact.Stats, kernels: BNRParams, shared: bool,
                         noise_std: Array | float) -> tuple[LastLayer, Array]:
     """:func:`last_layers` from noised statistics (``noise_std`` on each entry of each client's):
     every summed scatter matrix (and each client's own) projected onto the PSD cone first
-    (:func:`fedppl.dp_statistics.repair_scatter`), the noise in the projections weighed in the
-    likelihood (:func:`fedppl.dp_statistics.noise_aware_posterior`); also returns how many
-    eigenvalues were raised."""
+    (:func:`fedppl.algorithms.dp_statistics.repair_scatter`), the noise in the projections
+    weighed in the likelihood (:func:`fedppl.algorithms.dp_statistics.noise_aware_posterior`);
+    also returns how many eigenvalues were raised."""
     total, own, which = _layer_stats(stats, shared)
     S_total, n_total = dp_statistics.repair_scatter(total.scatter)
     S_own, n_own = dp_statistics.repair_scatter(own.scatter)
@@ -306,7 +306,8 @@ def predict(kernels: BNRParams, posteriors: g.FullGaussian, omega: Array, X: Arr
     """Predictive means and variances (noise included), ``(models, n)`` each;
     ``stat_noise_var`` (models,): the variance of the privacy noise on each entry of each
     model's summed statistics: the variances then include the scatter noise's effect on the
-    mean of a private run's posteriors (:func:`fedppl.dp_statistics.predict_noise_aware`)."""
+    mean of a private run's posteriors
+    (:func:`fedppl.algorithms.dp_statistics.predict_noise_aware`)."""
     def one(p, post):
         return exact.predict(post, urk_features(p.kernel, omega, X), p.noise)
 

@@ -23,15 +23,15 @@ The server's state has a ``phase``:
   conditioned: the plain sums gave a NaN prediction, the whitened ones a finite one; see the
   sgp_uci benchmark page in the docs). ``y_k^T y_k`` is not needed and not sent.
 
-Private statistics (``privacy``, a :class:`fedppl.dp_statistics.Mechanism`, in
-:func:`make_trio`): in the aggregation round each client clips its whitened rows
-``L^-1 k(Z, x_n)`` (whose squared norm is at most the kernel variance) and targets and adds
-Gaussian noise with its own key, so the statistics leave it noised; the server
-then accepts every finite, symmetric message (a noised ``A_k`` need not be PSD, nor ``N_k``
-positive), projects the sum onto the PSD cone and records in ``ServerState.repaired`` how many
-eigenvalues it raised (:mod:`fedppl.dp_statistics`). :func:`predict`'s ``stat_noise_var`` weighs
-the projection's noise in q(u)'s likelihood and widens the variance by the scatter noise's
-effect on the mean. The FedAvg rounds are not privatised.
+Private statistics (``privacy``, a :class:`fedppl.algorithms.dp_statistics.Mechanism`, in
+:func:`make_trio`): in the aggregation round each client clips its whitened rows ``L^-1 k(Z, x_n)``
+(whose squared norm is at most the kernel variance) and targets and adds Gaussian noise with its own
+key, so the statistics leave it noised; the server then accepts every finite, symmetric message (a
+noised ``A_k`` need not be PSD, nor ``N_k`` positive), projects the sum onto the PSD cone and
+records in ``ServerState.repaired`` how many eigenvalues it raised
+(:mod:`fedppl.algorithms.dp_statistics`). :func:`predict`'s ``stat_noise_var`` weighs the
+projection's noise in q(u)'s likelihood and widens the variance by the scatter noise's effect on the
+mean. The FedAvg rounds are not privatised.
 
 Example (what :class:`fedppl.FSGP` runs: a FedAvg round, then the aggregation round)::
 
@@ -59,8 +59,8 @@ import jax.scipy.linalg as jsl
 import optax
 from jax import Array
 
-from fedppl import dp_statistics, trees
-from fedppl.algorithms import exact, fedavg
+from fedppl import trees
+from fedppl.algorithms import dp_statistics, exact, fedavg
 from fedppl.algorithms.trio import Trio
 from fedppl.models import sparse_gp
 from fedppl.models.kernels import SEParams
@@ -153,7 +153,7 @@ def private_client_stats(params: FSGPParams, X: Array, y: Array, mask: Array | N
                          privacy: dp_statistics.Mechanism, key: Array,
                          jitter: float = DEFAULT_JITTER) -> exact.Stats:
     """:func:`client_stats` released privately: the whitened rows and the targets clipped, noise
-    added (:func:`fedppl.dp_statistics.private_stats`)."""
+    added (:func:`fedppl.algorithms.dp_statistics.private_stats`)."""
     X, y, mask = sparse_gp.masked(X, y, mask)
     W = whitened_features(params, X, mask, jitter)
     return dp_statistics.private_stats(W, y, mask.astype(W.dtype), privacy, key)
@@ -226,7 +226,7 @@ def server_update(state: ServerState, msgs: Message, received: Array, private: b
     """FedAvg of the received finite parameters (weights ``N_k``), or the sum of the received
     plausible statistics (:func:`plausible`); returns which clients were accepted. ``private``:
     the statistics are noised, so any finite, symmetric ones are added and the sum is projected
-    onto the PSD cone (:func:`fedppl.dp_statistics.repair_scatter`)."""
+    onto the PSD cone (:func:`fedppl.algorithms.dp_statistics.repair_scatter`)."""
 
     def average(_: None) -> tuple[ServerState, Array]:
         fa, ok = fedavg.server_update(fedavg.FedAvgState(state.params, state.round),
@@ -299,7 +299,7 @@ def _posterior(params: FSGPParams, stats: exact.Stats, jitter: float,
                stat_noise_var: Array | float | None = None) -> sparse_gp.Whitened:
     """q(u): the prior times the factor of all clients' data, from the whitened sums (with
     ``stat_noise_var``, the noise in the projection weighed in the factor:
-    :func:`fedppl.dp_statistics.noise_aware_factor`)."""
+    :func:`fedppl.algorithms.dp_statistics.noise_aware_factor`)."""
     s2 = params.hyper.noise_var
     L = jnp.linalg.cholesky(kuu(params, jitter))
     if stat_noise_var is None:
@@ -315,10 +315,10 @@ def predict(params: FSGPParams, stats: exact.Stats, X: Array, jitter: float = DE
 
     ``stat_noise_var``: the variance of the privacy noise on each entry of the summed (whitened)
     statistics. q(u) then weighs the projection's noise in its likelihood
-    (:func:`fedppl.dp_statistics.noise_aware_factor`), and with ``noise_aware`` the variance
-    adds the first-order effect of the scatter's noise on the mean ``w*^T v``, with
+    (:func:`fedppl.algorithms.dp_statistics.noise_aware_factor`), and with ``noise_aware`` the
+    variance adds the first-order effect of the scatter's noise on the mean ``w*^T v``, with
     ``w* = L^-1 k(Z, x*)`` and ``A = I + S / s^2`` in whitened coordinates
-    (:func:`fedppl.dp_statistics.mean_noise_variance`)."""
+    (:func:`fedppl.algorithms.dp_statistics.mean_noise_variance`)."""
     hyper = params.hyper
     post = _posterior(params, stats, jitter, stat_noise_var)
     Kxz = hyper.kernel(X, params.inducing)

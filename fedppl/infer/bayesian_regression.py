@@ -21,14 +21,14 @@ layer by RMSE, keeps the best kernels and stops after ``patience`` evaluations w
 improvement. Without validation data the run takes all ``num_rounds`` rounds and keeps the last
 kernels, with their last layer formed at the last round.
 
-Private statistics: ``privacy=PrivateStatistics(...)`` (:mod:`fedppl.dp_statistics`) noises every
-client's statistics at every evaluation (clipped features and targets, Gaussian noise added on the
-client); ``epsilon`` is calibrated for the evaluations the run plans (``num_rounds // eval_every``
-plus the last round, times the kernels each client evaluates: 1 shared, K per client). The result's
-``privacy`` holds each client's spent ``epsilon`` and the worst, ``history["epsilon"]`` the running
-total and ``history["repaired"]`` the eigenvalues the server raised to make the summed scatter
-PSD; ``predict`` widens the variances by the noise's effect on the mean. The phase-1 kernels and
-log marginal likelihoods are sent in the clear: only the statistics are protected.
+Private statistics: ``privacy=PrivateStatistics(...)`` (:mod:`fedppl.algorithms.dp_statistics`)
+noises every client's statistics at every evaluation (clipped features and targets, Gaussian noise
+added on the client); ``epsilon`` is calibrated for the evaluations the run plans (``num_rounds //
+eval_every`` plus the last round, times the kernels each client evaluates: 1 shared, K per client).
+The result's ``privacy`` holds each client's spent ``epsilon`` and the worst, ``history["epsilon"]``
+the running total and ``history["repaired"]`` the eigenvalues the server raised to make the summed
+scatter PSD; ``predict`` widens the variances by the noise's effect on the mean. The phase-1 kernels
+and log marginal likelihoods are sent in the clear: only the statistics are protected.
 
 Example::
 
@@ -60,9 +60,9 @@ from jax import Array
 
 from fedppl import trees
 from fedppl.algorithms import fedbnr as alg
+from fedppl.algorithms.dp_statistics import PrivateStatistics
 from fedppl.algorithms.trio import Trio
 from fedppl.clients import Clients
-from fedppl.dp_statistics import PrivateStatistics
 from fedppl.families import gaussian as g
 from fedppl.infer.base import (
     FederatedMethod,
@@ -124,7 +124,7 @@ class FedBNRResult(Result):
         """Predictive means and variances (noise included) at ``X (n, input_dim)``, each of shape
         ``(models, n)``; ``last_layer`` overrides the method's choice. In a private run the
         variances include the privacy noise's effect on the mean unless ``noise_aware=False``
-        (:func:`fedppl.dp_statistics.mean_noise_variance`)."""
+        (:func:`fedppl.algorithms.dp_statistics.mean_noise_variance`)."""
         X = _check_inputs(X, self.spec.input_dim, "X")
         which = _choice(self.last_layer if last_layer is None else last_layer, LAST_LAYERS,
                         "last_layer")
@@ -193,8 +193,8 @@ class FedBNR(FederatedMethod):
     :param noise, prior_scale: initial sigma and lambda (positive, standardised units).
     :param schedule: ``"synchronous"`` (clients vmapped) or ``"loop"`` (a Python loop over the
         clients); FedAvg has no sequential form.
-    :param privacy: a :class:`~fedppl.dp_statistics.PrivateStatistics`: noise the statistics
-        (see the module doc), or ``None``.
+    :param privacy: a :class:`~fedppl.algorithms.dp_statistics.PrivateStatistics`: noise the
+        statistics (see the module doc), or ``None``.
     """
 
     name = "FedBNR"
@@ -222,7 +222,7 @@ class FedBNR(FederatedMethod):
         self.noise = _number(noise, "noise")
         self.prior_scale = _number(prior_scale, "prior_scale")
         if privacy is not None and not isinstance(privacy, PrivateStatistics):
-            raise TypeError(f"privacy must be a fedppl.dp_statistics.PrivateStatistics or None, "
+            raise TypeError(f"privacy must be a fedppl.PrivateStatistics or None, "
                             f"got {type(privacy).__name__}")
         self.privacy = privacy
         self._settings = alg.Settings(kernel, self.optimizer, self.local_steps, self.kd_alpha,

@@ -12,12 +12,12 @@ embedded runtime.
 
 Inputs and targets are expected standardised (``fedppl.datasets.Standardiser``).
 
-Private statistics: ``privacy=PrivateStatistics(...)`` (:mod:`fedppl.dp_statistics`) noises the
-aggregation round's statistics on each client (one release per client; whitened rows
-``L^-1 k(Z, x_n)``, whose squared norm is at most the kernel variance, and targets clipped
-first). The result's ``privacy`` holds each client's ``epsilon``, the worst, and
-``repaired`` (eigenvalues the server raised to make the sum PSD); ``predict`` widens the variance
-by the noise's effect on the mean. The FedAvg rounds' parameters and counts are not protected.
+Private statistics: ``privacy=PrivateStatistics(...)`` (:mod:`fedppl.algorithms.dp_statistics`)
+noises the aggregation round's statistics on each client (one release per client; whitened rows
+``L^-1 k(Z, x_n)``, whose squared norm is at most the kernel variance, and targets clipped first).
+The result's ``privacy`` holds each client's ``epsilon``, the worst, and ``repaired`` (eigenvalues
+the server raised to make the sum PSD); ``predict`` widens the variance by the noise's effect on the
+mean. The FedAvg rounds' parameters and counts are not protected.
 
 Example::
 
@@ -48,8 +48,8 @@ from fedppl import metrics
 from fedppl import validation as check
 from fedppl.algorithms import exact
 from fedppl.algorithms import fsgp as alg
+from fedppl.algorithms.dp_statistics import PrivateStatistics
 from fedppl.clients import Clients
-from fedppl.dp_statistics import PrivateStatistics
 from fedppl.infer import _gp_checks as chk
 from fedppl.infer.base import FederatedMethod, Plan, Result, RunState, num_bytes, shared
 
@@ -73,8 +73,8 @@ class FSGPConfig(NamedTuple):
 
     ``jitter``: added to ``C_MM``'s diagonal (absolute).
 
-    ``privacy``: a :class:`~fedppl.dp_statistics.PrivateStatistics` to release the statistics
-    privately, or ``None``.
+    ``privacy``: a :class:`~fedppl.algorithms.dp_statistics.PrivateStatistics` to release the
+    statistics privately, or ``None``.
     """
 
     num_inducing: int = 100
@@ -326,7 +326,7 @@ def _checked(cfg: FSGPConfig) -> FSGPConfig:
     check.positive(cfg.jitter, "jitter", allow_zero=True)
     check.one_of(cfg.init_inducing, INIT_INDUCING, "init_inducing")
     if cfg.privacy is not None and not isinstance(cfg.privacy, PrivateStatistics):
-        raise TypeError(f"privacy must be a fedppl.dp_statistics.PrivateStatistics or None, got "
+        raise TypeError(f"privacy must be a fedppl.PrivateStatistics or None, got "
                         f"{type(cfg.privacy).__name__}")
     return cfg
 

@@ -64,7 +64,7 @@ entropy, or the server could regenerate the noise.
 Example (one client's release, the server's repair and a noise-aware prediction)::
 
     >>> import jax, jax.numpy as jnp
-    >>> from fedppl import dp_statistics as dps
+    >>> from fedppl.algorithms import dp_statistics as dps
     >>> spec = dps.PrivateStatistics(epsilon=2.0, delta=1e-5, feature_bound=1.0,
     ...                              target_bound=2.0)
     >>> sigma = spec.noise_multiplier_for(releases=1)       # calibrated by the accountant
