@@ -30,12 +30,15 @@ $(STAMP): $(BASE)
 demo: $(BASE)
 	$(BIN)/fedppl demo
 
-# The suite is compile-bound (hundreds of small programs, each run briefly). Two XLA:CPU flags
+# The suite is compile-bound (hundreds of small programs, each run briefly). Three XLA:CPU flags
 # make compiling cheaper and change only floating-point round-off, which every test tolerates:
-# the lower optimisation level (about 17% of the suite's time), and XLA's older elemental
-# emitter for fused loops instead of its MLIR fusion emitters (about a third less CPU on the
-# compile-heavy files). Benchmarks and the library run with XLA's defaults.
-TEST_XLA_FLAGS ?= --xla_backend_optimization_level=0 --xla_cpu_use_fusion_emitters=false
+# the lower optimisation level (about 17% of the suite's time), XLA's older elemental emitter
+# for fused loops instead of its MLIR fusion emitters (about a third less CPU on the
+# compile-heavy files), and one LLVM module per program instead of several compiled on threads
+# (about 17% less compile CPU for a PVI round, where two test workers already share two
+# cores). Benchmarks and the library run with XLA's defaults.
+TEST_XLA_FLAGS ?= --xla_backend_optimization_level=0 --xla_cpu_use_fusion_emitters=false \
+	--xla_cpu_parallel_codegen_split_count=1
 
 # lint, type check, then the tests and the docstring examples (pytest --doctest-modules), with
 # the 20 slowest listed at the end (where to look when the suite grows)

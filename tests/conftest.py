@@ -49,6 +49,40 @@ def _free_compiled_code():
         gc.collect()
 
 
+@pytest.fixture(scope="module")
+def one_ray_cluster():
+    """The Flower Simulation Engine's runs in a test module share one Ray cluster (each run
+    started and stopped its own: 5 to 10 s on this 2-core VM). Flower's Ray backend starts Ray
+    only where it is not running already (as on a long-lived cluster); this keeps the cluster
+    between runs, stopping only each run's workers, and stops it after the module. A run that
+    asks for other start-up arguments (``num_workers``) gets a cluster started afresh with them.
+    Use with ``pytestmark = pytest.mark.usefixtures("one_ray_cluster")``."""
+    ray = pytest.importorskip("ray")
+    backend = pytest.importorskip("flwr.server.superlink.fleet.vce.backend.raybackend")
+    started: dict = {}
+    real_init = backend.RayBackend.init_ray
+
+    def init_ray(self, config):
+        args = dict(config.get(self.init_args_key) or {})
+        if ray.is_initialized() and started.get("args") != args:
+            ray.shutdown()
+        if not ray.is_initialized():
+            started["args"] = args
+            started["count"] = started.get("count", 0) + 1
+        real_init(self, config)
+
+    def terminate(self):  # the run's workers only; the cluster stays for the next run
+        if self.pool:
+            self.pool.terminate_all_actors()
+
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(backend.RayBackend, "init_ray", init_ray)
+        patch.setattr(backend.RayBackend, "terminate", terminate)
+        yield started
+    if ray.is_initialized():
+        ray.shutdown()
+
+
 def linear_model(X, y=None, noise=0.5):
     """Bayesian linear regression with known noise: the closed-form reference model."""
     w = numpyro.sample("w", dist.Normal(0.0, 1.0).expand([X.shape[1]]).to_event(1))
@@ -109,43 +143,60 @@ def logistic_data():
 
 
 # The slowest test files, about slowest first (summed test times of a full run on this 2-core
-# VM), the Flower files spaced out so that two of them (each starting processes of its own)
-# rarely run at once.
+# VM, measured with --junitxml), the Flower files spaced out so that two of them (each starting
+# processes of its own) rarely run at once.
 # make test runs pytest-xdist with --dist loadfile --no-loadscope-reorder: each worker takes the
 # next file in collection order when it is free, so starting with the long files keeps one
 # worker from running a long file alone at the end (longest-processing-time-first scheduling).
 SLOW_FILES = (
-    "tests/runtime/test_flower_simulation.py",
+    "tests/runtime/test_flower_deployment.py",
     "tests/test_readme.py",
+    "tests/runtime/test_flower_secagg.py",
+    "tests/infer/test_smc.py",
+    "tests/test_local_sites.py",
+    "tests/runtime/test_flower_simulation_faults.py",
+    "tests/algorithms/test_one_shot.py",
+    "tests/infer/test_variational.py",
+    "tests/runtime/test_flower_simulation.py",
+    "tests/test_model_shapes.py",
+    "tests/algorithms/test_ep.py",
+    "tests/runtime/test_flower_tls_example.py",
+    "tests/infer/test_importance.py",
+    "tests/test_audit.py",
+    "tests/runtime/test_secure_pvi.py",
+    "tests/runtime/test_flower_secure_pvi.py",
+    "tests/test_dp_statistics.py",
+    "tests/infer/test_front.py",
+    "tests/test_tutorials.py",
+    "tests/test_arviz.py",
+    "tests/infer/test_sgp_edge_cases.py",
+    "tests/infer/test_sparse_gps.py",
+    "tests/test_hierarchical_users.py",
+    "tests/pyro/test_flower.py",
+    "tests/algorithms/test_dp_pvi.py",
+    "tests/pyro/test_check.py",
+    "tests/pyro/test_ep.py",
     "tests/test_priors.py",
     "tests/float32/test_methods_float32.py",
-    "tests/runtime/test_faults.py",
-    "tests/algorithms/test_ep.py",
-    "tests/runtime/test_flower_deployment.py",
-    "tests/infer/test_variational.py",
-    "tests/pyro/test_parity.py",
-    "tests/pyro/test_check.py",
-    "tests/runtime/test_flower_simulation_faults.py",
-    "tests/algorithms/test_natural_gradient.py",
-    "tests/pyro/test_flower.py",
-    "tests/test_hierarchical_users.py",
-    "tests/test_local_sites.py",
-    "tests/test_arviz.py",
-    "tests/algorithms/test_dp_pvi.py",
-    "tests/infer/test_importance.py",
-    "tests/pyro/test_ep.py",
-    "tests/test_tutorials.py",
+    "tests/algorithms/test_sgp_pvi.py",
     "tests/pyro/test_front.py",
+    "tests/algorithms/test_natural_gradient.py",
     "tests/infer/test_front_consistency.py",
-    "tests/infer/test_retrace.py",
+    "tests/pyro/test_parity.py",
+    "tests/float32/test_pvi_float32.py",
+    "tests/float32/test_gp_uci_float32.py",
+    "tests/runtime/test_faults.py",
+    "tests/algorithms/test_fsgp.py",
     "tests/float32/test_importance_float32.py",
-    "tests/test_model_shapes.py",
-    "tests/test_dp_statistics.py",
     "tests/test_cli.py",
-    "tests/algorithms/test_sgp_shared.py",
-    "tests/infer/test_sgp_edge_cases.py",
-    "tests/test_audit.py",
     "tests/runtime/test_no_deadlock.py",
+    "tests/algorithms/test_sgp_memory.py",
+    "tests/infer/test_no_run_state_on_self.py",
+    "tests/pyro/test_demo.py",
+    "tests/models/test_mogp.py",
+    "tests/experiments/test_fedbnr_uci.py",
+    "tests/infer/test_retrace.py",
+    "tests/algorithms/test_sgp_shared.py",
 )
 
 

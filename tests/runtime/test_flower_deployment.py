@@ -1,7 +1,9 @@
 """fedppl on Flower's Deployment Engine: a real SuperLink and three SuperNodes as processes on
 127.0.0.1, each beside its warm ClientApp process (``fedppl.runtime.flower_worker``), the run
 submitted with ``flwr run``, faults injected into the real thing: the answer equals the embedded
-runtime's (for the clients that took part) and faults leave the server intact.
+runtime's (for the clients that took part) and faults leave the server intact. One deployment
+serves the module's runs (each a ``flwr run`` of its own app, secure aggregation's among them);
+the faults test, which kills a node, runs last of those that use it.
 """
 
 from __future__ import annotations
@@ -87,6 +89,50 @@ def test_the_sampler_on_the_real_engine(fed, tmp_path):
     assert result["rejected"] == []
     assert result["history"]["beta"] == want_result.history["beta"].tolist()
     assert result["history"]["bytes_up"] == want_result.history["bytes_up"].tolist()
+
+
+def test_secure_fsgp_on_the_real_engine(fed, tmp_path):
+    """Secure aggregation inside FSGP's rounds (``Task.secure``: each exchange through SecAgg+,
+    four messages a node; the task ``tests.runtime.flower_tasks:secure_task`` on the server and
+    every node), one FedAvg round and the aggregation round: the parameters (securely summed)
+    equal the plain embedded run's; the summed statistics equal the plain sum at them within the
+    quantisation bound (the bounds are :mod:`tests.runtime.test_flower_secagg`'s)."""
+    from fedppl.algorithms import exact, fsgp
+    from fedppl.runtime.secagg import error_bound
+
+    from .test_flower_secagg import SCALE, K, _fsgp_stats, _sums
+
+    assert K == 3  # the module's deployment
+    result, got = _run(fed, tmp_path, task="tests.runtime.flower_tasks:secure_task",
+                       method="fsgp", rounds=1)
+    assert result["rejected"] == []
+    _, want = flower_tasks.embedded("fsgp", rounds=1)
+    like = fsgp.init(fsgp.init_params(np.zeros((5, 1))))  # the server state's structure
+    state = jax.tree_util.tree_unflatten(jax.tree_util.tree_structure(like), got)
+    params = jax.tree_util.tree_leaves(state.params)
+    for a, b in zip(params, want[:len(params)], strict=True):
+        np.testing.assert_allclose(a, b, rtol=1e-8, atol=1e-10)
+    _sums(_fsgp_stats(state.params), exact.Stats(*state.stats), error_bound(SCALE, K))
+
+
+def test_secure_pvi_on_the_real_engine(fed, tmp_path):
+    """Synchronous PVI with SecAgg+ inside its rounds (the task
+    ``tests.runtime.flower_tasks:secure_task``, ``line-search`` off), two rounds: q (the server
+    state's first two leaves, its natural parameters) equals the plain embedded run's within the
+    secure sums' quantisation bound, not bit for bit (the Simulation Engine's test and the
+    bounds: ``test_flower_secure_pvi.py``)."""
+    from fedppl.runtime.secure import sum_error
+
+    rounds = 2
+    result, got = _run(fed, tmp_path, task="tests.runtime.flower_tasks:secure_task",
+                       method="pvi-synchronous", rounds=rounds, **{"line-search": False})
+    assert result["rejected"] == []
+    _, want = flower_tasks.embedded("pvi-synchronous", rounds=rounds, line_search=False)
+    bound = rounds * sum_error(flower_tasks.SECURE_SCALE, 3)
+    gaps = [float(np.max(np.abs(a - b))) for a, b in zip(got[:2], want[:2], strict=True)]
+    assert max(gaps) <= bound and max(gaps) > 0, gaps
+    # the local free energy stayed at the clients (NaN, which the result's JSON writes as null)
+    assert all(v is None for row in result["history"]["free_energy"] for v in row)
 
 
 def test_faults_on_the_real_engine(fed, tmp_path):

@@ -30,6 +30,9 @@ from fedppl.runtime.secagg import QUANTIZATION, error_bound
 
 from . import flower_tasks
 
+# the module's simulations share one Ray cluster (tests/conftest.py)
+pytestmark = pytest.mark.usefixtures("one_ray_cluster")
+
 jax.config.update("jax_enable_x64", True)
 
 SCALE, K = flower_tasks.SECURE_SCALE, 3

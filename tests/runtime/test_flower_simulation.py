@@ -21,11 +21,14 @@ from fedppl.runtime.flower import FlowerApp
 
 from . import flower_tasks
 
+# the module's simulations share one Ray cluster (tests/conftest.py)
+pytestmark = pytest.mark.usefixtures("one_ray_cluster")
+
 jax.config.update("jax_enable_x64", True)
 
 
 FULL = os.environ.get("FEDPPL_FLOWER_FULL") == "1"
-ALWAYS = ("pvi-synchronous", "pvi-sequential", "fsgp", "fedbnr", "smc")
+ALWAYS = ("pvi-synchronous", "pvi-sequential", "fsgp", "fedbnr", "smc", "check")
 
 
 @pytest.mark.parametrize("name", [
@@ -62,3 +65,8 @@ def test_simulation_equals_embedded(name):
     if name in need_data:
         assert np.all(np.isnan(np.asarray(result.history[need_data[name]], float)[1:]))
         assert not np.any(np.isnan(np.asarray(want_result.history[need_data[name]], float)[1:]))
+
+
+def test_the_module_runs_on_one_ray_cluster(one_ray_cluster):
+    """The simulations above started Ray once between them (tests/conftest.py)."""
+    assert one_ray_cluster.get("count", 0) <= 1, one_ray_cluster

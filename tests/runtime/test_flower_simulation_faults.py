@@ -20,6 +20,9 @@ from fedppl.runtime.flower import FlowerApp, FlowerError, Task, pack, unpack
 
 from . import flower_tasks
 
+# the module's simulations share one Ray cluster (tests/conftest.py)
+pytestmark = pytest.mark.usefixtures("one_ray_cluster")
+
 jax.config.update("jax_enable_x64", True)
 
 
