@@ -171,8 +171,10 @@ def test_a_node_beyond_the_scale_is_named_and_left_out(monkeypatch):
 
 
 def test_methods_whose_server_needs_each_message_are_refused():
-    """PVI's server judges each client's message before adding it; FedBNR's 'kd' kernel distils
-    each client's kernel: neither can run on the sum alone, and each says so."""
+    """A message that is none of the secure forms' (PVI's server judges each message it cannot
+    read as a delta: here a stand-in) and FedBNR's 'kd' kernel (it distils each client's
+    kernel) cannot run on the sum alone, and each says so (synchronous PVI's own delta has a
+    secure form: tests/runtime/test_secure_pvi.py)."""
     from fedppl.models import linear_regression as model
     from fedppl.models.random_features import URKSpec
 
