@@ -55,7 +55,8 @@ from fedppl.guides.pvi_guide import PVIGuide
 
 __all__ = ["Proposal", "Broadcast", "Estimates", "log_prob", "sample", "mixture_log_prob",
            "from_gaussian", "laplace_fit", "laplace_estimate", "laplace_log_marginal",
-           "client_log_lik", "make_trio", "psis", "ess", "weighted_moments", "tempered_fit",
+           "client_log_lik", "make_trio", "secure_summand", "secure_message", "REFUSALS",
+           "psis", "ess", "weighted_moments", "tempered_fit",
            "leave_one_out", "resample"]
 
 MIN_DRAWS = 100  # fewer draws leave too few in the tail for the Pareto fit (k-hat)
@@ -224,6 +225,52 @@ def make_trio(log_lik: Callable) -> Trio:
         return server, received
 
     return Trio(client_update, server_update)
+
+
+# -- under secure aggregation (fedppl.runtime.secure) ---------------------------------------------
+
+#: Why a client withholds its log-likelihoods from a secure sum (a verdict <= 0; 1: it sends).
+NOT_FINITE, BEYOND_SCALE, RULED_OUT = -1.0, -2.0, -3.0
+REFUSALS = {
+    NOT_FINITE: "refused at the client before secure aggregation: log-likelihoods NaN or +inf "
+                "(or a variance not finite and non-negative)",
+    BEYOND_SCALE: "refused at the client before secure aggregation: a log-likelihood or "
+                  "variance beyond the secure sum's scale (SecureSum.scale, public); raise the "
+                  "scale",
+    RULED_OUT: "refused at the client before secure aggregation: its data have zero "
+               "likelihood at every draw",
+}
+
+
+def secure_summand(message: Estimates, scale: float) -> tuple[Estimates, Array]:
+    """What a client adds into a secure sum in place of its :class:`Estimates`, and its verdict
+    (the server's check of the message, made by the client: 1, or a code of :data:`REFUSALS`):
+    finite, within ``scale``, not zero likelihood at every draw. A ``-inf`` log-likelihood (a
+    draw its data rule out) enters as ``-scale``, the lowest entry the sum carries, so the
+    total at that draw is at most ``-scale + (n - 1) m`` (``m``: the largest ``|l_k|`` of the
+    other clients) and its likelihood relative to any draw's at most
+    ``exp(-(scale - (2n - 1) m))``: negligible where the scale is well above ``2 n m``, not
+    zero."""
+    ll = message.log_lik
+    ruled_out = jnp.isneginf(ll)
+    finite = ~jnp.any(jnp.isnan(ll) | jnp.isposinf(ll))
+    within = jnp.all(ruled_out | (jnp.abs(ll) <= scale))
+    var = message.variance
+    if var is not None:
+        finite = finite & jnp.all(jnp.isfinite(var) & (var >= 0))
+        within = within & jnp.all(var <= scale)
+    verdict = jnp.where(~finite, NOT_FINITE, jnp.where(
+        jnp.all(ruled_out), RULED_OUT, jnp.where(within, 1.0, BEYOND_SCALE)))
+    sends = verdict > 0
+    summand = Estimates(jnp.where(sends, jnp.where(ruled_out, -scale, ll), 0.0),
+                        None if var is None else jnp.where(sends, var, 0.0))
+    return summand, verdict
+
+
+def secure_message(server: Any, total: Estimates, n: Array) -> Estimates:
+    """One of ``n`` equal messages whose sum is ``total`` (the clients' summed log-likelihoods
+    and variances at each draw): what the server's record adds up again."""
+    return jax.tree_util.tree_map(lambda x: x / n, total)
 
 
 # -- the server's side (host, NumPy) --------------------------------------------------------------

@@ -139,7 +139,9 @@ class Plan(NamedTuple):
     progress), and the server's work on the host between rounds, where it has any
     (``next_server(state) -> server``: the state the next round starts from, made from the
     state after a round and its record, outside the round's compiled program: the check's next
-    proposal, fitted with a library's PSIS; None: the round's own server state)."""
+    proposal, fitted with a library's PSIS; None: the round's own server state), and whether
+    the runtime gives the server only the sum of each round's messages (``summed``,
+    :class:`~fedppl.runtime.Runtime`'s)."""
 
     trio: Trio
     schedule: str
@@ -155,6 +157,7 @@ class Plan(NamedTuple):
     static: Any = None
     about: str = ""
     next_server: Callable[[RunState], Any] | None = None
+    summed: bool = False
 
 
 class RunLog(NamedTuple):
@@ -361,9 +364,11 @@ class FederatedMethod:
             if old in vars(self):
                 raise TypeError(f"{type(self).__name__}.{old} is not read: pass the runtime to "
                                 "init or run (runtime=..., see fedppl.runtime.Runtime)")
-        data_at_server = as_runtime(runtime).data_at_server
+        rt = as_runtime(runtime)
+        data_at_server = rt.data_at_server
         plan = self._plan(rng_key, clients, data_at_server=data_at_server, **kwargs)
         return plan._replace(names=clients.names, data_at_server=data_at_server,
+                             summed=rt.summed,
                              rng_key=rng_key if plan.rng_key is None else plan.rng_key)
 
     def init(self, rng_key: Array, clients: Clients, *, runtime: Any = None,

@@ -72,7 +72,8 @@ def khat_threshold(num_draws: int) -> float:
 class ImportanceLog(NamedTuple):
     """The rounds so far, as the server keeps them (the run's accumulators,
     ``state.log.method``): the proposals and how many draws each gave, all draws ``(N, D)``,
-    their log prior and the clients' log-likelihoods ``(K, N)``, ``variance`` ``(N,)`` (the
+    their log prior and the clients' log-likelihoods ``(K, N)`` (``(1, N)``, their sum over the
+    clients, where the runtime gives only the sum: secure aggregation), ``variance`` ``(N,)`` (the
     summed variance of the clients' estimates at each draw; zero without local sites) and the
     next round's proposal."""
 
@@ -96,6 +97,11 @@ class ImportanceResult(Result):
     ``sample`` resamples draws by their weights; ``loo()`` gives each client's
     leave-one-client-out predictive density; ``history`` has one row per round with ``khat``,
     ``ess`` and ``local_sd`` besides the common columns.
+
+    ``summed``: the server received the clients' log-likelihoods only as their sum over the
+    clients (secure aggregation, :mod:`fedppl.runtime.secure`): ``log_lik`` is then one row
+    ``(1, N)``, all clients together, which serves the weights and everything made from them,
+    but not ``loo()``.
     """
 
     guide: PVIGuide
@@ -109,6 +115,7 @@ class ImportanceResult(Result):
     start_moments: tuple[np.ndarray, np.ndarray]
     proposals: tuple[imp.Proposal, ...] = field(default=())
     chosen: str = ""  # why refine chose the importance refinement (empty when run directly)
+    summed: bool = False
 
     @property
     def threshold(self) -> float:
@@ -141,7 +148,13 @@ class ImportanceResult(Result):
     def loo(self):
         """Leave-one-client-out cross-validation as an ``arviz_stats.ELPDData``
         (``arviz_stats.compare`` takes it): ``elpd_i`` is each client's ``log p(y_k | y_-k)``
-        (dimension ``client``), ``pareto_k`` its k-hat."""
+        (dimension ``client``), ``pareto_k`` its k-hat. Refused where the server received
+        only the sum of the clients' log-likelihoods (``summed``)."""
+        if self.summed:
+            raise ValueError("leave-one-client-out needs each client's log-likelihoods at the "
+                             "draws, which secure aggregation withholds: the server received "
+                             "only their sum over the clients. Run the check without secure "
+                             "aggregation to compare models client by client")
         import xarray as xr
 
         from fedppl.arviz import arviz_stats
@@ -175,20 +188,23 @@ class ImportanceResult(Result):
     def to_arviz(self, rng_key: Array | None = None, num_samples: int = 1000):
         """An ``xarray.DataTree`` for ArviZ 1.x: ``num_samples`` draws resampled by the
         weights (4 chains), the clients' log-likelihoods at them (group ``log_likelihood``,
-        variable ``clients``, dimension ``client``: ``arviz_stats.loo`` over clients), and
-        ``khat``/``ess`` as attributes."""
+        variable ``clients``, dimension ``client``: ``arviz_stats.loo`` over clients; no such
+        group where the server received only their sum, ``summed``, as one total would make
+        ``loo`` leave every client out at once), and ``khat``/``ess`` as attributes."""
         from fedppl import arviz
 
         num_samples = arviz.check_num_samples(num_samples)
         key = jax.random.key(0) if rng_key is None else rng_key
         idx = imp.resample(key, self.log_weights, num_samples)
         draws = self.guide.layout_or_raise().constrain(jnp.asarray(self.draws[idx]))
+        groups = {"posterior": {k: arviz.as_chains(v) for k, v in draws.items()}}
+        if not self.summed:
+            groups["log_likelihood"] = {"clients": arviz.as_chains(self.log_lik[:, idx].T)}
         return arviz.from_dict(
-            {"posterior": {k: arviz.as_chains(v) for k, v in draws.items()},
-             "log_likelihood": {"clients": arviz.as_chains(self.log_lik[:, idx].T)}},
-            coords={"client": list(self.client_names)}, dims={"clients": ["client"]},
+            groups, coords={"client": list(self.client_names)}, dims={"clients": ["client"]},
             attrs={"posterior": {"khat": self.khat, "ess": self.ess,
-                                 "num_draws": len(self.draws), "reliable": int(self.reliable)}})
+                                 "num_draws": len(self.draws), "reliable": int(self.reliable),
+                                 "summed": int(self.summed)}})
 
 
 class Importance(FederatedMethod):
@@ -292,7 +308,9 @@ class Importance(FederatedMethod):
         return rng_key, jax.random.split(k_clients, K), jnp.ones(K, bool), k_draw, k_draw
 
     def _refused(self, replies: Any, active: np.ndarray) -> np.ndarray:
-        return ~np.asarray(replies, bool)
+        # replies: whether each message arrived (or, under secure aggregation, 1 for a share of
+        # the total, a client's refusal code below 0, 0 where nothing arrived)
+        return np.asarray(replies) <= 0
 
     def _tol_rule(self, tol: float | None) -> StopRule | None:
         give_up = tol
@@ -352,25 +370,37 @@ def _draws(rng_key: Array, proposal: imp.Proposal, num_draws: int) -> Array:
 def _record(before: RunState, after: RunState, msgs: Any, replies: Any, active: np.ndarray,
             rng_key: Array) -> tuple[ImportanceLog, dict[str, Any]]:
     """The round's log-likelihoods joined to the draws so far: their weights, k-hat and ESS,
-    and the next proposal (a t fitted to the weighted draws)."""
+    and the next proposal (a t fitted to the weighted draws). Where the runtime gives only the
+    sum (``plan.summed``), the messages are equal shares of the total: one row, all clients."""
     plan = after.plan
     assert plan is not None
     st: _Static = plan.static
     log: ImportanceLog = before.log.method
-    if (~np.asarray(replies, bool) & np.asarray(active, bool)).any():
-        # a client did not answer (a dropout; named in ``rejected``): the weights need every
-        # client's log-likelihood at every draw, so the round is void and the next draws again
+    replies, active = np.asarray(replies), np.asarray(active, bool)
+    for k in np.nonzero(active & (replies < 0))[0]:  # a client withheld its summand
+        raise ValueError(f"{plan.names[k]}: {imp.REFUSALS.get(float(replies[k]), 'refused')} "
+                         "(of its data at the broadcast draws); nothing was kept. Check its "
+                         "data and the model's likelihood at these parameter values")
+    if ((replies <= 0) & active).any():
+        # a client did not answer (a dropout, or secure aggregation halted; named in
+        # ``rejected``): the weights need every client's log-likelihood at every draw, so the
+        # round is void and the next draws again
         return log, {"khat": np.nan, "ess": np.nan, "local_sd": np.nan}
     values = np.asarray(msgs.log_lik, np.float64)
-    _check_messages(values, plan.names)  # before anything is kept
+    names = plan.names
+    old = log.log_lik
+    if plan.summed:  # the shares add up to the total; the log keeps one row
+        values = values[active].sum(0, keepdims=True)
+        names, old = ("all clients",), old.sum(0, keepdims=True)
+    _check_messages(values, names)  # before anything is kept
     var = (np.zeros(values.shape[1]) if msgs.variance is None
-           else np.asarray(msgs.variance, np.float64).sum(0))
+           else np.asarray(msgs.variance, np.float64)[active].sum(0))
     draws = before.server.draws
     proposals = (*log.proposals, log.next)
     counts = (*log.counts, int(draws.shape[0]))
     all_draws = np.concatenate([log.draws, np.asarray(draws)])
     log_prior = np.concatenate([log.log_prior, np.asarray(st.log_prior(draws), np.float64)])
-    log_lik = np.concatenate([log.log_lik, values], axis=1)
+    log_lik = np.concatenate([old, values], axis=1)
     variance = np.concatenate([log.variance, var])
     ratios = _log_ratios(proposals, counts, all_draws, log_prior, log_lik)
     lw, khat = imp.psis(ratios)
@@ -403,7 +433,8 @@ def _result(state: RunState, history: dict[str, np.ndarray],
                             log_weights=lw, log_lik=log.log_lik, khat=khat, ess=imp.ess(lw),
                             local_sd=_local_sd(lw, log.variance), history=history,
                             client_names=plan.names, rejected=rejected,
-                            start_moments=st.start_moments, proposals=log.proposals)
+                            start_moments=st.start_moments, proposals=log.proposals,
+                            summed=plan.summed)
 
 
 def _local_sd(log_weights: np.ndarray, variance: np.ndarray) -> float:

@@ -119,10 +119,14 @@ class Runtime(NamedTuple):
     values is refused). ``init`` and ``run`` take one as ``runtime=`` (None: the embedded
     runtime, ``fedppl.infer.base.EMBEDDED``; a
     bare ``runtime(trio, schedule)`` callable, such as :class:`fedppl.runtime.faults.Faults`,
-    counts as one whose server holds the data)."""
+    counts as one whose server holds the data). ``summed``: whether the server receives each
+    round's messages only as their sum (secure aggregation, :mod:`fedppl.runtime.secure`): the
+    messages a plan's record is given are then equal shares of the total, and a record that
+    reads each client's message (the check's) reads their sum instead."""
 
     make_round: Callable[[Trio, str], Callable]
     data_at_server: bool = True
+    summed: bool = False
 
 
 def make_round(trio: Trio, schedule: str, client_map: ClientMap | None = None) -> RoundFn:

@@ -375,7 +375,8 @@ class _Server:
 
             return round_fn
 
-        return Runtime(runtime, data_at_server=False)  # the server holds stand-ins
+        # the server holds stand-ins; under SecAgg+ it gets only each round's sum
+        return Runtime(runtime, data_at_server=False, summed=self.task.secure is not None)
 
     def _clients(self) -> ClientMap:
         """The clients as a round reaches them here: a ``train`` exchange for the clients'

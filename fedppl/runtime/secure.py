@@ -4,8 +4,9 @@ simulation of the protocol in one process (no Flower needed).
 * :class:`SecureSum`: the settings every party knows (the scale each entry must stay within,
   the norm bound a PVI client clips its delta to, SecAgg+'s threshold);
 * :class:`SecureForm` and :func:`secure_form`: how a method's ``train`` messages enter a sum
-  (FSGP, FedBNR, synchronous PVI and EP), what the client checks before masking, and how the
-  server folds the total (used by :mod:`fedppl.runtime.flower` with Flower's SecAgg+, and here);
+  (FSGP, FedBNR, synchronous PVI and EP, the importance check), what the client checks before
+  masking, and how the server folds the total (used by :mod:`fedppl.runtime.flower` with
+  Flower's SecAgg+, and here);
 * :class:`SecureAggregation`: a runtime that runs synchronous PVI's (and EP's) rounds as the
   protocol runs them, for tests and benchmarks without an engine: each client judges and clips
   its delta (:mod:`fedppl.algorithms.secure_pvi`), encodes it as SecAgg+ does (two limbs on a
@@ -16,6 +17,10 @@ simulation of the protocol in one process (no Flower needed).
   than ``max(2, ceil(threshold * asked))`` halts, as SecAgg+ does: no update, every client keeps
   its factor. What it leaves out is the cryptography (key agreement, secret sharing, the
   clients' self-masks): the arithmetic, the checks and the dropouts are the protocol's.
+  It runs the importance check (:class:`fedppl.Importance`, ``result.check(...,
+  runtime=...)``) the same way: each client judges its log-likelihoods at the draws
+  (:func:`fedppl.algorithms.importance.secure_summand`) and the server decodes their total per
+  draw, which its record reads as one row, all clients (the runtime is ``summed``).
 
 Example (Bayesian linear regression: the secure run equals the plain one within the
 quantisation bound; the server received only masked integers)::
@@ -117,13 +122,15 @@ class SecureForm(NamedTuple):
     ``prepare(server, message) -> message``: what the client makes of its message before it
     keeps and sends it (PVI: the delta clipped to the norm bound; None: nothing);
     ``total_check(server, total, n) -> verdict``: the server's check of the total before it
-    folds it (> 0: fold it; None: none beyond the method's own)."""
+    folds it (> 0: fold it; None: none beyond the method's own). ``reasons``: what each
+    verdict code means (None: PVI's :data:`~fedppl.algorithms.pvi.REFUSALS`)."""
 
     summand: Callable
     message: Callable
     check: str
     prepare: Callable | None = None
     total_check: Callable | None = None
+    reasons: dict[float, str] | None = None
 
 
 def secure_form(method: Any, like: Any, secure: SecureSum | None = None) -> SecureForm:
@@ -132,6 +139,7 @@ def secure_form(method: Any, like: Any, secure: SecureSum | None = None) -> Secu
     message, not only their sum. ``method`` None: the simulation's, which sees only the
     trio (a FedBNR run, whose settings decide, is refused there)."""
     from fedppl.algorithms import ep, fedbnr, fsgp, pvi
+    from fedppl.algorithms import importance as imp
 
     name = getattr(method, "name", type(method).__name__)
     if adds_noise(method):
@@ -148,6 +156,10 @@ def secure_form(method: Any, like: Any, secure: SecureSum | None = None) -> Secu
                              "'avg' kernel and the global last layer ('kd' distils each "
                              "client's kernel, 'local' keeps each client's own)")
         return SecureForm(fedbnr.secure_summand, fedbnr.secure_message, "finite parameters")
+    if isinstance(like, imp.Estimates):
+        if secure is None:
+            raise ValueError("the check's secure form needs the settings (SecureSum: its scale)")
+        return _check_form(float(secure.scale))
     if isinstance(like, (pvi.ClientMessage, ep.EPMessage)) and name in ("PVI", "EP", "NoneType"):
         if getattr(method, "schedule", "synchronous") != "synchronous":
             raise ValueError(f"secure aggregation sums a synchronous round's deltas; {name} "
@@ -163,7 +175,7 @@ def secure_form(method: Any, like: Any, secure: SecureSum | None = None) -> Secu
                          float(getattr(method, "max_divergence", pvi.MAX_DIVERGENCE)))
     raise ValueError(f"{name}'s server needs each client's message, not only their sum, so "
                      "secure aggregation (Task.secure) cannot serve it; it serves synchronous "
-                     "PVI and EP, FSGP and FedBNR")
+                     "PVI and EP, FSGP, FedBNR and the importance check")
 
 
 @lru_cache(maxsize=16)
@@ -183,15 +195,30 @@ def _pvi_form(max_norm: float, max_divergence: float) -> SecureForm:
     return SecureForm(summand, secure_pvi.share, secure_pvi.CHECK, prepare, total_check)
 
 
+@lru_cache(maxsize=16)
+def _check_form(scale: float) -> SecureForm:
+    """The importance check's secure form (made once per scale): each client's log-likelihoods
+    at the draws, judged and floored at the client (:func:`fedppl.algorithms.importance.
+    secure_summand`); the server's record adds up the equal shares of their total."""
+    from fedppl.algorithms import importance as imp
+
+    def summand(server, msg):
+        return imp.secure_summand(msg, scale)
+
+    return SecureForm(summand, imp.secure_message, "finite log-likelihoods within the scale",
+                      reasons=imp.REFUSALS)
+
+
 def refusal(form: SecureForm, ok: Any) -> str | None:
     """Why a client withholds its summand (None: it sends it): ``form``'s check, and for a
-    verdict code PVI's reason."""
+    verdict code the form's reason (PVI's by default)."""
     from fedppl.algorithms import pvi
 
     value = float(np.asarray(ok))
     if value > 0:
         return None
-    return pvi.REFUSALS.get(value, f"it fails the server's check ({form.check})")
+    reasons = pvi.REFUSALS if form.reasons is None else form.reasons
+    return reasons.get(value, f"it fails the server's check ({form.check})")
 
 
 def adds_noise(method: Any) -> bool:
@@ -265,6 +292,7 @@ def _secure_round(trio: Trio, secure: SecureSum) -> Callable:
     """One compiled round of the simulated protocol; its last arguments are the fault plan (codes
     over :data:`~fedppl.runtime.faults.ALL_KINDS`) and whether a faulty client skips its
     check (one program for every fault setting)."""
+    from fedppl.algorithms import importance as imp
     from fedppl.algorithms import pvi
 
     scale = float(secure.scale)
@@ -279,6 +307,9 @@ def _secure_round(trio: Trio, secure: SecureSum) -> Callable:
         msgs, proposed = jax.vmap(trio.client_update, (None, 0, 0, 0, 0, 0))(
             broadcast, cstates, data, masks, keys, index)
         form = secure_form(None, msgs, secure)
+        if isinstance(msgs, imp.Estimates):  # the check: a sum, no server state from it
+            return _sum_only(trio, form, secure, server, cstates, msgs, proposed, active,
+                             server_key, plan)
         if form.prepare is None:
             raise ValueError("the simulation of secure aggregation runs synchronous PVI; FSGP "
                              "and FedBNR run it on Flower (Task.secure)")
@@ -298,18 +329,8 @@ def _secure_round(trio: Trio, secure: SecureSum) -> Callable:
         bad = jnp.clip(jnp.nan_to_num(flat, nan=-scale, posinf=scale, neginf=-scale),
                        -scale, scale)
         flat = jnp.where((hostile & faulty)[:, None], bad, flat)
-        masked = jax.vmap(_encode, (0, None))(flat, scale) + _pair_masks(
-            jax.random.fold_in(server_key, 0x5EC), K, flat.shape[1])
-        received = jnp.where(sends[:, None, None], masked, jnp.uint32(0))
-        # the server: the sum of what arrived, less the masks that no partner cancelled (a
-        # dropped client's pairs, which SecAgg+ rebuilds from the survivors' shares)
-        n = jnp.sum(sends)
-        uncancelled = _uncancelled(jax.random.fold_in(server_key, 0x5EC), sends, K,
-                                   flat.shape[1])
-        total = _decode(jnp.sum(received, axis=0, dtype=jnp.uint32) - uncancelled, n, scale,
-                        dtype)
-        asked = jnp.sum(active)
-        halted = (n < 2) | (n < jnp.ceil(secure.threshold * asked))
+        received, n, total = _masked_sum(flat, sends, server_key, scale, dtype)
+        halted = _halted(n, active, secure)
         total = _unflatten(total, trees.first(summands))
         verdict_total = (jnp.asarray(1.0) if form.total_check is None
                          else form.total_check(server, total, n))
@@ -327,6 +348,54 @@ def _secure_round(trio: Trio, secure: SecureSum) -> Callable:
         return new, cstates, shares, replies, received, sends
 
     return round_fn
+
+
+def _masked_sum(flat: Array, sends: Array, server_key: Array, scale: float, dtype: Any
+                ) -> tuple[Array, Array, Array]:
+    """The protocol's arithmetic on the clients' summands ``flat`` ``(K, size)``: what the
+    server received (each sending client's encoding plus its pairwise masks; zero rows for the
+    others), how many sent, and the decoded sum: the sum of what arrived, less the masks that no
+    partner cancelled (a dropped client's pairs, which SecAgg+ rebuilds from the survivors'
+    shares)."""
+    K, size = flat.shape
+    key = jax.random.fold_in(server_key, 0x5EC)
+    masked = jax.vmap(_encode, (0, None))(flat, scale) + _pair_masks(key, K, size)
+    received = jnp.where(sends[:, None, None], masked, jnp.uint32(0))
+    n = jnp.sum(sends)
+    total = _decode(jnp.sum(received, axis=0, dtype=jnp.uint32)
+                    - _uncancelled(key, sends, K, size), n, scale, dtype)
+    return received, n, total
+
+
+def _halted(n: Array, active: Array, secure: SecureSum) -> Array:
+    """Whether SecAgg+ halts: fewer than ``max(2, ceil(threshold * asked))`` clients sent."""
+    return (n < 2) | (n < jnp.ceil(secure.threshold * jnp.sum(active)))
+
+
+def _sum_only(trio: Trio, form: SecureForm, secure: SecureSum, server: Any, cstates: Any,
+              msgs: Any, proposed: Any, active: Array, server_key: Array, plan: Array
+              ) -> tuple:
+    """A round of a method whose server needs only the messages' sum and keeps no state made
+    from it (the importance check): each client judges its own message (a fault enters
+    before its check) and sends its summand or nothing; every client that the sum covers gets an
+    equal share of the decoded total, the others none (a halted sum covers none). Replies: 1
+    for a share, the client's verdict where it withheld, 0 where nothing arrived."""
+    K = active.shape[0]
+    wire = corrupt_where(msgs, plan, ALL_KINDS)
+    summands, verdict = jax.vmap(form.summand, (None, 0))(sent(trio, server), wire)
+    reached = active & (plan != DROPPED)
+    sends = reached & (verdict > 0)
+    dtype = jax.tree_util.tree_leaves(summands)[0].dtype
+    flat = jax.vmap(lambda s: _flatten(s, dtype))(summands)
+    received, n, total = _masked_sum(flat, sends, server_key, float(secure.scale), dtype)
+    taking = sends & ~_halted(n, active, secure)
+    share = form.message(server, _unflatten(total, trees.first(summands)), n)
+    shares = jax.tree_util.tree_map(
+        lambda x: jnp.where(taking.reshape((K,) + (1,) * x.ndim), x, jnp.zeros_like(x)), share)
+    new, _ = trio.server_update(server, shares, jnp.arange(K), taking, server_key, None)
+    replies = jnp.where(taking, 1.0, jnp.where(reached & ~sends, verdict, 0.0))
+    cstates = jax.vmap(trio.acknowledge)(cstates, msgs, replies, proposed)
+    return new, cstates, shares, replies, received, sends
 
 
 def _uncancelled(key: Array, sends: Array, num: int, size: int) -> Array:
@@ -350,9 +419,10 @@ def _uncancelled(key: Array, sends: Array, num: int, size: int) -> Array:
 
 
 class SecureAggregation:
-    """Synchronous PVI's rounds as secure aggregation runs them, in one process (the module
-    docstring says what is simulated). Pass ``.runtime`` as ``runtime=`` to ``run`` or
-    ``init`` (a runtime whose server holds no data, as on Flower).
+    """Synchronous PVI's (and EP's, and the importance check's) rounds as secure aggregation
+    runs them, in one process (the module docstring says what is simulated). Pass ``.runtime``
+    as ``runtime=`` to ``run`` or ``init`` (a runtime whose server holds no data, as on
+    Flower).
 
     ``secure``: the public settings (:class:`SecureSum`). ``faults``: a
     :class:`~fedppl.runtime.faults.Faults` whose draws inject the faults at the clients: a
@@ -360,8 +430,9 @@ class SecureAggregation:
     replaces the client's clipped message before its own check, which withholds it (refused at
     the client), or, with ``hostile=True``, the client skips its check and the corruption, cut
     to what the encoding carries (entries within ``scale``), enters the sum, where the server's
-    check of the total meets it. ``received``: per round, the masked vectors the server
-    received (uint32, one row per client that sent).
+    check of the total meets it (PVI's rounds; in the check's, a NaN, infinite or out-of-scale
+    message is refused at the client, and a round with a dropout is void). ``received``: per
+    round, the masked vectors the server received (uint32, one row per client that sent).
     """
 
     def __init__(self, secure: SecureSum, faults: Faults | None = None, hostile: bool = False):
@@ -372,7 +443,7 @@ class SecureAggregation:
             raise ValueError(f"SecureSum.threshold must be in (0, 1], got {secure.threshold}")
         self.secure, self.faults, self.hostile = secure, faults, bool(hostile)
         self.received: list[np.ndarray] = []
-        self.runtime = Runtime(self._make_round, data_at_server=False)
+        self.runtime = Runtime(self._make_round, data_at_server=False, summed=True)
 
     def _make_round(self, trio: Trio, schedule: str) -> Callable:
         if schedule != "synchronous" or not trio.jit:

@@ -28,8 +28,9 @@ class Task(NamedTuple):
     <fedppl.runtime.deployment.LocalDeployment.kill_node>`.)
 
     ``secure``: a :class:`~fedppl.runtime.secure.SecureSum` sends every exchange through Flower's
-    SecAgg+, so the server gets only the sum of the clients' messages (synchronous PVI without
-    its line search, FSGP and FedBNR, whose servers need no more; other methods are refused), or
+    SecAgg+, so the server gets only the sum of the clients' messages (synchronous PVI and EP
+    without the line search, FSGP, FedBNR and the importance check, whose servers need no more;
+    other methods are refused), or
     None (each message in the clear). It is part of the task, built on every process, so each
     node also refuses to send in the clear.
     """

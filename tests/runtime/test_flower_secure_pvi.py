@@ -6,10 +6,14 @@ refuses it before masking (naming itself), SecAgg+ goes on without it, and the s
 posterior equals the plain embedded run in which client 1 sat round 2 out, within the
 quantisation bound. The ServerApp received masked integer vectors only, none of them a client's
 own quantised summand.
+
+The importance check (one round from the prior) through SecAgg+: the server holds each draw's
+log-likelihood summed over the nodes, equal to the plain check's sum within the bound.
 """
 
 from __future__ import annotations
 
+import warnings
 from functools import partial
 from typing import Any
 
@@ -91,3 +95,29 @@ def test_the_server_received_only_masked_vectors(run):
     for vector in masked[:K]:  # round 1's
         assert vector.shape == own[0].shape
         assert all(np.sum(vector == mine) <= 2 for mine in own)
+
+
+CHECK_SCALE = 1e4  # above every client's |log-likelihood| at the prior's draws here
+
+
+def secure_check_task(run_config: dict[str, Any]):
+    """The importance check (one round from the prior) through SecAgg+."""
+    base = flower_tasks.task({"method": "check"})
+    return base._replace(secure=SecureSum(CHECK_SCALE), num_rounds=1)
+
+
+def test_the_check_on_flower_receives_only_the_total():
+    """The check through SecAgg+ on the Simulation Engine: the server holds each draw's
+    log-likelihood summed over the three nodes, equal to the plain embedded check's sum within
+    the quantisation bound, from masked vectors only; leave-one-client-out is refused."""
+    with pytest.MonkeyPatch.context() as mp, warnings.catch_warnings():
+        warnings.simplefilter("ignore", UserWarning)  # k-hat's advice: q is the prior
+        result, _, received = _simulate(mp, secure_check_task, {})
+        want, _ = flower_tasks.embedded("check", 1)
+    assert result.summed and result.log_lik.shape == (1, 200) and result.rejected == []
+    np.testing.assert_array_equal(result.draws, want.draws)
+    np.testing.assert_allclose(result.log_lik[0], want.log_lik.sum(0), rtol=0,
+                               atol=sum_error(CHECK_SCALE, K))
+    assert len(_masked(received)) == K
+    with pytest.raises(ValueError, match="secure aggregation withholds"):
+        result.loo()
