@@ -196,8 +196,10 @@ class PVIResult(Result):
         * None (default): the sampler where the model has local sites (importance weights over
           the global sites would rest on noisy estimates of each client's marginal likelihood)
           or where the check (the importance refinement's first round) flags ``q`` (k-hat above
-          the threshold); the importance refinement otherwise. The choice and why are in the
-          result's ``chosen`` and, with ``progress_bar``, on stderr.
+          the threshold); the importance refinement otherwise, and always on a runtime that
+          gives the server only the sum of the clients' messages (secure aggregation, where the
+          sampler is refused). The choice and why are in the result's ``chosen`` and, with
+          ``progress_bar``, on stderr.
 
         Keyword arguments are the method's settings (:class:`fedppl.SMC`'s, such as
         ``num_particles``, or :class:`fedppl.Importance`'s, such as ``df``; ``runtime``, the
@@ -218,6 +220,18 @@ class PVIResult(Result):
         own = {k: kwargs.pop(k) for k in list(kwargs) if k in SETTINGS}
         smc = {k: kwargs.pop(k) for k in list(kwargs) if k in sampler}
         why = ""
+        if getattr(kwargs.get("runtime"), "summed", False):  # secure aggregation: sums only
+            if method == "smc":
+                raise ValueError("the SMC sampler's server needs each client's messages (its "
+                                 "log-likelihood estimates at the particles and their checks), "
+                                 "and this runtime gives it only their sum (secure "
+                                 "aggregation): refine with method='importance', which needs "
+                                 "only the sum")
+            if method is None:
+                method = "importance"
+                why = ("the runtime gives the server only the sum of the clients' messages "
+                       "(secure aggregation), which the importance refinement needs and the "
+                       "sampler does not serve")
         if method is None and self.guide.local_layout is not None:
             method = "smc"
             why = ("the model has local sites, whose marginal likelihood the importance "
@@ -233,8 +247,12 @@ class PVIResult(Result):
             method = "smc"
             why = f"the check flags q (k-hat {check.khat:.2f} above {check.threshold:.2f})"
         if method == "importance":
-            return self._importance(rng_key, clients, num_rounds or 10, num_draws, progress_bar,
-                                    {**kwargs, **own, "warn": warn})
+            result = self._importance(rng_key, clients, num_rounds or 10, num_draws,
+                                      progress_bar, {**kwargs, **own, "warn": warn})
+            if why:
+                result.chosen = f"{why}: the importance refinement"
+                _say(progress_bar, f"refine: {result.chosen}")
+            return result
         result = self._smc(rng_key, clients, num_rounds or 50, progress_bar, smc, kwargs,
                            warn=bool(warn), stop=bool(stop))
         if why:

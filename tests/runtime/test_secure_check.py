@@ -171,3 +171,24 @@ def test_float32_secure_check_equals_plain():
     bound = 2 * sum_error(SCALE, K, np.float32)
     assert np.max(np.abs(secure.log_lik[0] - plain.log_lik.sum(0))) <= bound
     assert abs(secure.khat - plain.khat) <= 0.05 and abs(secure.ess - plain.ess) <= 0.01 * S
+
+
+def test_refine_under_secure_aggregation_is_the_importance_refinement():
+    """refine on a runtime that gives the server only sums chooses the importance refinement
+    (the sampler's server needs each client's messages) and says why; asking for the sampler
+    is refused with the reason."""
+    clients = _clients()
+    answer = fedppl.PVI(linear_regression, fedppl.PVIGuide(linear_regression),
+                        line_search=False).run(jax.random.key(0), clients, 2,
+                                               progress_bar=False)
+    sim = SecureAggregation(SECURE)
+    with pytest.raises(ValueError, match=r"SMC sampler's server needs each client's.*"
+                                         r"method='importance'"):
+        answer.refine(jax.random.key(1), clients, 2, num_draws=S, method="smc",
+                      runtime=sim.runtime, progress_bar=False)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", UserWarning)
+        refined = answer.refine(jax.random.key(1), clients, 2, num_draws=S,
+                                runtime=sim.runtime, progress_bar=False)
+    assert refined.summed and "secure aggregation" in refined.chosen
+    assert len(sim.received) == refined.num_rounds
