@@ -79,13 +79,13 @@ BENCHMARK = {
     "summary": ("federated EP on a hierarchical logistic regression (J = 40 groups, D = 20, K = "
                 "25) against pooled NUTS, PVI and one-shot merges, round by round"),
     "data": None,
-    "quick": ["--quick"],
+    "quick": ["--quick", "--inputs", "2", "--clients", "5", "--no-merges"],
     "full": [[],
              ["--rounds", "8", "--no-pvi", "--out",
               "benchmarks/results/ep_hierarchical_defaults.json"],
              ["--rounds", "8", "--no-pvi", "--no-merges", "--init-pvi", "4", "--out",
               "benchmarks/results/ep_hierarchical_defaults_initpvi.json"]],
-    "cost": "quick ~2 min; full ~35 min per file",
+    "cost": "quick ~1 min (D = 2, K = 5); full ~35 min per file",
 }
 
 jax.config.update("jax_enable_x64", True)

@@ -35,7 +35,7 @@ BENCHMARK = {
     "data": ["../shared/data/uci/power-plant"],
     "quick": ["--seeds", "1", "--clients", "10", "--rounds", "3", "--local-steps", "3"],
     "full": [[]],
-    "cost": "quick ~1 min; full ~75 min",
+    "cost": "quick ~2.5 min; full ~75 min",
 }
 
 ROWS = [("Central GP", "central"), ("local+local", "local+local"),

@@ -32,7 +32,7 @@ BENCHMARK = {
     "data": None,
     "quick": ["--quick"],
     "full": [["--out", "benchmarks/results/float32_realistic.json"]],
-    "cost": "quick ~2 min (K = 10, synchronous); full ~8 min",
+    "cost": "quick ~1 min (K = 10, synchronous); full ~8 min",
 }
 
 SETTINGS = [(10, "synchronous", 0.5, 30), (10, "sequential", 1.0, 10),

@@ -71,7 +71,7 @@ BENCHMARK = {
     "data": None,
     "quick": ["--quick"],
     "full": [[]],
-    "cost": "quick ~2 min; full ~8 min",
+    "cost": "quick ~3 min; full ~8 min",
 }
 
 jax.config.update("jax_enable_x64", True)

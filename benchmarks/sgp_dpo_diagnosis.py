@@ -69,9 +69,9 @@ BENCHMARK = {
     "summary": ("why DPO stops short of global VI on some UCI sets: the paper's protocol against "
                 "one change at a time (rounds, inducing inputs, local steps)"),
     "data": ["../shared/data/uci"],
-    "quick": ["--data", "yacht", "--rounds", "5", "--global-rounds", "5", "--local-steps", "10"],
+    "quick": ["--data", "yacht", "--rounds", "10", "--global-rounds", "10", "--local-steps", "10"],
     "full": [["--data", "yacht"], ["--data", "concrete", "--rounds", "100"]],
-    "cost": "quick ~1 min; full ~10-30 min per set",
+    "cost": "quick ~3 min; full ~10-30 min per set",
 }
 
 jax.config.update("jax_enable_x64", True)

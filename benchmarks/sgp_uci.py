@@ -43,7 +43,7 @@ BENCHMARK = {
     "quick": ["--datasets", "yacht", "--splits", "1", "--rounds", "10", "--local-steps", "20",
               "--timing-clients", "10", "--timing-repeats", "1"],
     "full": [[]],
-    "cost": "quick ~2 min; full several hours",
+    "cost": "quick ~3 min; full several hours",
 }
 
 UCI = Path(__file__).resolve().parents[2] / "shared" / "data" / "uci"

@@ -61,11 +61,11 @@ BENCHMARK = {
     "summary": ("the federated SMC sampler beside PVI against pooled NUTS on breast cancer (K = "
                 "10, 100) and on centred and non-centred funnels"),
     "data": None,
-    "quick": ["--quick"],
+    "quick": ["--quick", "--tasks", "breast-cancer"],
     "full": [[],
              ["--tasks", "breast-cancer", "--clients", "100", "--out",
               "benchmarks/results/smc_breadth_k100.json"]],
-    "cost": "quick ~2 min; full ~10 min",
+    "cost": "quick ~1 min (breast cancer); full ~10 min",
 }
 
 jax.config.update("jax_enable_x64", True)
