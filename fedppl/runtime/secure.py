@@ -58,7 +58,7 @@ from jax import Array
 from fedppl import trees
 from fedppl.algorithms.trio import Trio, sent
 from fedppl.runtime.embedded import Runtime
-from fedppl.runtime.faults import ALL_KINDS, DROPPED, Faults, corrupt_where
+from fedppl.runtime.faults import ALL_KINDS, DROPPED, corrupt_where
 
 __all__ = ["SecureSum", "SecureForm", "secure_form", "refusal", "adds_noise",
            "SecureAggregation",
@@ -425,7 +425,8 @@ class SecureAggregation:
     Flower).
 
     ``secure``: the public settings (:class:`SecureSum`). ``faults``: a
-    :class:`~fedppl.runtime.faults.Faults` whose draws inject the faults at the clients: a
+    :class:`~fedppl.runtime.faults.Faults` (or any object with its ``draw(active)`` and
+    ``restart()``) whose draws inject the faults at the clients: a
     dropout loses a client's masked vector (during masking, as SecAgg+ meets it); a corruption
     replaces the client's clipped message before its own check, which withholds it (refused at
     the client), or, with ``hostile=True``, the client skips its check and the corruption, cut
@@ -435,7 +436,7 @@ class SecureAggregation:
     round, the masked vectors the server received (uint32, one row per client that sent).
     """
 
-    def __init__(self, secure: SecureSum, faults: Faults | None = None, hostile: bool = False):
+    def __init__(self, secure: SecureSum, faults: Any = None, hostile: bool = False):
         if not isinstance(secure, SecureSum):
             raise TypeError(f"secure must be a SecureSum, got {type(secure).__name__}")
         norm_bound(secure)
