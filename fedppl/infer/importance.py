@@ -297,14 +297,14 @@ class Importance(FederatedMethod):
                             np.zeros((K, 0)), np.zeros(0), first)
         static = _Static(self.guide, log_prior, self.num_draws, self.df,
                          tuple(np.asarray(m) for m in g.to_moments(g.to_full(self.start))))
-        return Plan(trio, "synchronous", imp.Broadcast(_draws(rng_key, first, self.num_draws)),
+        return Plan(trio, "synchronous", _draws(rng_key, first, self.num_draws),
                     local, _record, _result, log=log, rng_key=rng_key, static=static,
                     next_server=_next_server)
 
     def _round_inputs(self, state: RunState) -> tuple[Array, Array, Array, Array, Array]:
         # the key that drew this round's draws (_draws) is also the server's
         K = state.masks.shape[0]
-        rng_key, k_draw, k_clients = jax.random.split(state.rng_key, 3)
+        rng_key, k_draw, k_clients = _round_keys(state.rng_key)
         return rng_key, jax.random.split(k_clients, K), jnp.ones(K, bool), k_draw, k_draw
 
     def _refused(self, replies: Any, active: np.ndarray) -> np.ndarray:
@@ -362,9 +362,16 @@ class _Static:
         self.start_moments = start_moments
 
 
-def _draws(rng_key: Array, proposal: imp.Proposal, num_draws: int) -> Array:
-    """The draws of the round whose key is ``rng_key`` (see ``Importance._round_inputs``)."""
-    return imp.sample(jax.random.split(rng_key, 3)[1], proposal, num_draws)
+def _round_keys(rng_key: Array) -> tuple[Array, Array, Array]:
+    """A round's keys from the run's key: the next round's, the draws' (also the server's) and
+    the clients'."""
+    k_next, k_draw, k_clients = jax.random.split(rng_key, 3)
+    return k_next, k_draw, k_clients
+
+
+def _draws(rng_key: Array, proposal: imp.Proposal, num_draws: int) -> imp.Broadcast:
+    """The broadcast of the round whose key is ``rng_key``: its draws from ``proposal``."""
+    return imp.Broadcast(imp.sample(_round_keys(rng_key)[1], proposal, num_draws))
 
 
 def _record(before: RunState, after: RunState, msgs: Any, replies: Any, active: np.ndarray,
@@ -417,7 +424,7 @@ def _next_server(state: RunState) -> imp.Broadcast:
     """The next round's draws, from the proposal the last round's record fitted."""
     plan = state.plan
     assert plan is not None
-    return imp.Broadcast(_draws(state.rng_key, state.log.method.next, plan.static.num_draws))
+    return _draws(state.rng_key, state.log.method.next, plan.static.num_draws)
 
 
 def _result(state: RunState, history: dict[str, np.ndarray],
