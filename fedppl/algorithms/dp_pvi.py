@@ -26,7 +26,12 @@ Three ways to do that (the paper's variants), each a setting of :class:`fedppl.P
   (they sum to the client's factor and never leave it); every party takes a PVI step on its
   own records against its own cavity, its change of factor in natural parameters is clipped
   to ``clip`` and noised, and the client sends the sum, whose noise is
-  ``N(0, (noise_multiplier * clip)^2)``: again one Gaussian mechanism per round.
+  ``N(0, (noise_multiplier * clip)^2)``: again one Gaussian mechanism per round. With
+  ``distributed=t`` under secure aggregation (:class:`fedppl.runtime.SecureAggregation`, or
+  ``Task(secure=...)`` on Flower) each client adds only ``1/t`` of that noise variance and
+  sends a message linear in its noise (:class:`NoisyMessage`), so that every total the server
+  can decode (at least ``t`` clients' messages) carries the noise the accounting assumes, while
+  no single message does.
 
 Accounting (:mod:`fedppl.accounting`, ``dp_accounting``): DP-SGD composes ``local_steps`` x
 rounds subsampled Gaussian mechanisms per client (Poisson subsampling with add/remove-one
@@ -42,6 +47,22 @@ clients' data) is off, the ELBO history is not computed, and a message's diagnos
 free energy, convergence) are not sent: ``free_energy`` is NaN and every solve reports
 converged. Models with local latent sites are not supported (their records' gradients involve
 the client's private guide; use the non-private PVI for them).
+
+Distributed noise (``DPVirtualParties(distributed=t)``): the server of a secure round decodes
+only a total ``T = sum_k m_k`` of ``n >= t`` messages, each ``m_k = damping * (S_k + nu_k)``
+with ``S_k`` the sum of client ``k``'s clipped party changes (non-finite ones zeroed; one
+record moves ``S_k`` by at most ``clip``) and ``nu_k ~ N(0, (noise_multiplier * clip)^2 / t)``
+per entry. ``T`` is then the Gaussian mechanism the accounting counts (its noise variance
+``n / t >= 1`` times the assumed one), and a client's message alone is one with multiplier
+``noise_multiplier / sqrt(t)`` (``result.privacy["message_epsilon"]``: the guarantee against
+anyone who sees one message, e.g. a server that breaks SecAgg+ by colluding with enough
+clients). The message must stay linear in its noise for the first statement, so a client
+does not halve its step to keep ``q`` proper (the server does, on the total, also keeping at
+least half of ``q``'s precision in every direction) and does not
+withhold a noisy message that fails the server's plausibility rules (it withholds only one not
+finite or beyond the encoding's ``scale``). Each message states the share of the assumed
+noise it carries (``1/t``), and the server refuses a total whose shares add up to less than 1
+(fewer than ``t`` clients in it).
 
 Example (4 clients, 2 rounds, DP-SGD at a target epsilon of 4)::
 
@@ -84,8 +105,8 @@ if TYPE_CHECKING:
     import dp_accounting
 
 __all__ = ["DPOptimisation", "DPLocalAveraging", "DPVirtualParties", "DPSGD",
-           "LocalAveragingSolver", "VirtualPartiesSolver", "clip_records", "record_gradients",
-           "shard_labels"]
+           "LocalAveragingSolver", "VirtualPartiesSolver", "NoisyMessage", "clip_records",
+           "record_gradients", "shard_labels"]
 
 
 # -- the settings a user gives ----------------------------------------------------------------
@@ -275,13 +296,20 @@ class DPVirtualParties(_Privacy):
     with ``N(0, (noise_multiplier * clip)^2 / parties)``; the client sends the sum. One record
     moves one party's change, by at most ``clip``, and the noises add up to
     ``N(0, (noise_multiplier * clip)^2)``: a Gaussian mechanism per round. The parties'
-    factors stay with the client."""
+    factors stay with the client.
+
+    ``distributed=t``: the noise is shared among at least ``t`` clients whose messages the
+    server sees only summed (secure aggregation; refused on any other runtime): each client adds
+    ``1/t`` of the noise variance, and its message stays linear in its noise (module text)."""
 
     parties: int = 10
+    distributed: int | None = None
 
     def __post_init__(self) -> None:
         super().__post_init__()
         _positive_int(self.parties, "parties")
+        if self.distributed is not None:
+            _positive_int(self.distributed, "distributed")
 
     def split(self, factors: g.Gaussian) -> g.Gaussian:
         """The parties' first factors: each client's factor shared equally (client axis 0,
@@ -292,7 +320,12 @@ class DPVirtualParties(_Privacy):
     def solver(self, model: Callable, guide: PVIGuide, optimizer: optax.GradientTransformation,
                steps: int, num_particles: int, sigma: float):
         return VirtualPartiesSolver(model, guide, optimizer, steps, num_particles,
-                                    float(self.clip), sigma, self.parties)
+                                    float(self.clip), sigma, self.parties, self.distributed)
+
+    def message_multiplier(self, sigma: float) -> float:
+        """The noise multiplier of one client's message alone: ``sigma``, or
+        ``sigma / sqrt(distributed)`` when the noise is distributed."""
+        return sigma if self.distributed is None else sigma / math.sqrt(self.distributed)
 
 
 # -- per-record gradients, clipping, noise ------------------------------------------------------
@@ -486,12 +519,31 @@ class LocalAveragingSolver(NamedTuple):
                            jnp.asarray(self.steps))
 
 
+class NoisyMessage(NamedTuple):
+    """PVI's message (:class:`~fedppl.algorithms.pvi.ClientMessage`'s fields) whose delta
+    carries distributed DP noise and enters a secure sum as it is: ``noise_share`` is the
+    fraction of the noise variance the accounting assumes of a total that this message carries
+    (``1 / distributed``, public), so that the server can check that a total carries at least
+    all of it (:func:`fedppl.algorithms.secure_pvi.noisy_total_check`: the shares add up to 1
+    or more)."""
+
+    delta: g.Gaussian
+    free_energy: Array
+    cavity_repaired: Array
+    converged: Array
+    iterations: Array
+    noise_share: Array
+
+
 class VirtualPartiesSolver(NamedTuple):
     """Virtual parties (:class:`DPVirtualParties`): one PVI step per party, vmapped over the
     parties; each party's change of factor is clipped in natural parameters and noised. A noisy
     change that would leave ``q`` improper is scaled down by the client (halving, as the server
     would, down to 2^-10, else dropped): post-processing of the released change with the
-    public ``q``, which costs no privacy."""
+    public ``q``, which costs no privacy. With ``distributed=t`` each party adds ``1/t`` of its
+    noise variance, a party's non-finite change counts as none, and the client takes the whole
+    step (its message stays linear in its noise; the server's step search keeps ``q``
+    proper)."""
 
     model: Callable
     guide: PVIGuide
@@ -501,6 +553,7 @@ class VirtualPartiesSolver(NamedTuple):
     clip: float
     noise_multiplier: float
     parties: int
+    distributed: int | None = None
 
     def changes(self, q: g.Gaussian, data: tuple, mask: Array, parties: g.Gaussian, key: Array
                 ) -> g.Gaussian:
@@ -521,21 +574,50 @@ class VirtualPartiesSolver(NamedTuple):
         return jax.vmap(fit)(jnp.arange(self.parties), parties, keys)
 
     def release(self, q: g.Gaussian, changes: g.Gaussian, key: Array) -> g.Gaussian:
-        """The mechanism: each party's clipped change plus its share of the noise."""
+        """The mechanism: each party's clipped change plus its share of the noise
+        (``N(0, (noise_multiplier * clip)^2 / (parties * distributed))`` per entry)."""
         std = (0.0 if self.noise_multiplier == 0.0
-               else self.noise_multiplier * self.clip / math.sqrt(self.parties))
+               else self.noise_multiplier * self.clip / math.sqrt(self.parties * self.share))
+        if self.distributed is not None:  # a party whose step failed changes nothing
+            ok = jax.vmap(g.is_finite)(changes)
+            changes = jax.tree_util.tree_map(
+                lambda c: jnp.where(ok.reshape(ok.shape + (1,) * (c.ndim - 1)), c, 0.0),
+                changes)
         clipped = clip_records(changes, self.clip)
         keys = jax.random.split(key, self.parties)
         return jax.vmap(lambda c, k: _gaussian_noise(k, c, std))(clipped, keys)
+
+    @property
+    def keep_precision(self) -> float:
+        """What the server's step must leave of q's precision in every direction
+        (:func:`fedppl.algorithms.pvi.server_update`'s ``keep``): half with distributed noise
+        (no client halves its noisy step), nothing otherwise."""
+        return 0.0 if self.distributed is None else 0.5
+
+    @property
+    def share(self) -> int:
+        """How many clients' noise a total the server decodes carries at least (1: central)."""
+        return 1 if self.distributed is None else self.distributed
+
+    def message(self, msg: Any) -> Any:
+        """The client's message as it leaves: PVI's, or a :class:`NoisyMessage` stating its
+        noise when the noise is distributed."""
+        if self.distributed is None:
+            return msg
+        return NoisyMessage(msg.delta, msg.free_energy, msg.cavity_repaired, msg.converged,
+                            msg.iterations, jnp.asarray(1.0 / self.share, msg.delta.nat1.dtype))
 
     def __call__(self, q_cavity, q, data, mask, rng_key, parties):
         k_fit, k_noise = jax.random.split(rng_key)
         noisy = self.release(q, self.changes(q, data, mask, parties, k_fit), k_noise)
         total = jax.tree_util.tree_map(lambda x: jnp.sum(x, axis=0), noisy)
-        sizes = jnp.asarray(STEP_SIZES, q.nat1.dtype)
-        moved = jax.vmap(lambda s: g.product(q, g.scale(total, s)))(sizes)
-        ok = g.is_pd(moved) & g.is_finite(moved)
-        step = jnp.where(jnp.any(ok), sizes[jnp.argmax(ok)], 0.0)
+        if self.distributed is None:
+            sizes = jnp.asarray(STEP_SIZES, q.nat1.dtype)
+            moved = jax.vmap(lambda s: g.product(q, g.scale(total, s)))(sizes)
+            ok = g.is_pd(moved) & g.is_finite(moved)
+            step = jnp.where(jnp.any(ok), sizes[jnp.argmax(ok)], 0.0)
+        else:  # linear in the noise: the server's step search keeps q proper
+            step = jnp.ones((), q.nat1.dtype)
         nan = jnp.full((), jnp.nan, q.nat1.dtype)
         new_parties = jax.tree_util.tree_map(lambda t, d: t + step * d, parties, noisy)
         return LocalResult(g.product(q, g.scale(total, step)), nan, jnp.asarray(True),

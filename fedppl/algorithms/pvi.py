@@ -50,7 +50,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from functools import partial
-from typing import NamedTuple, Protocol, cast
+from typing import Any, NamedTuple, Protocol, cast
 
 import jax
 import jax.numpy as jnp
@@ -99,10 +99,15 @@ REFUSALS = {
 # server would, and withholds it from the masked sum: its reply is OWN_CHECK plus the verdict
 # (BEYOND_NORM: a delta beyond the public norm bound, changed after the client clipped it).
 OWN_CHECK, BEYOND_NORM, SUM_HALTED, TOTAL_BEYOND = -10.0, -5.0, -6.0, -7.0
+# DP-PVI's distributed noise: a secure total that carries less noise than the accounting assumes
+NOISE_SHORT = -8.0
 REFUSALS[SUM_HALTED] = ("secure aggregation halted: fewer clients answered than its threshold, "
                         "so no sum")
 REFUSALS[TOTAL_BEYOND] = ("the secure total's norm exceeds the norm bound times the clients in "
                           "it (a client did not clip): refused for every client in the sum")
+REFUSALS[NOISE_SHORT] = ("the secure total carries less noise than the privacy accounting "
+                         "assumes (fewer clients in it than DPVirtualParties' distributed=): "
+                         "refused for every client in the sum")
 REFUSALS.update({OWN_CHECK + code: f"refused at the client before secure aggregation: {why}"
                  for code, why in ((NOT_FINITE, "message not finite"),
                                    (NOT_PD, "q would not be positive definite with it"),
@@ -167,6 +172,10 @@ class _PartiesSolver(Protocol):
 
     def __call__(self, q_cavity: g.Gaussian, q: g.Gaussian, data: tuple, mask: Array,
                  rng_key: Array, parties: g.Gaussian) -> LocalResult: ...
+
+    def message(self, msg: ClientMessage) -> Any:
+        """The message as it leaves the client (a message stating its noise, where the noise
+        is distributed over a secure sum)."""
 
 
 class VariationalSolver(NamedTuple):
@@ -266,8 +275,11 @@ def client_update(q: g.Gaussian, state: ClientState, data: tuple, mask: Array, r
     """One PVI step on one client; returns the message and the client's proposed new state."""
     q_cav, repaired = g.repair(g.quotient(q, state.factor))
     if state.parties is not None:  # DP-PVI's virtual parties refine their own factors
-        out = cast(_PartiesSolver, solver)(q_cav, q, data, mask, rng_key, parties=state.parties)
-    elif state.local is None:
+        solve = cast(_PartiesSolver, solver)
+        msg, new = _propose(state, q_cav, repaired,
+                            solve(q_cav, q, data, mask, rng_key, parties=state.parties), damping)
+        return solve.message(msg), new
+    if state.local is None:
         out = solver(q_cav, q, data, mask, rng_key)
     else:  # a client with local sites runs a solver that takes its private guide
         out = cast(_LocalSitesSolver, solver)(q_cav, q, data, mask, rng_key, local=state.local)
@@ -329,8 +341,8 @@ def verdicts(q: g.Gaussian, deltas: g.Gaussian, max_divergence: float = MAX_DIVE
 
 def server_update(state: ServerState, messages: ClientMessage, received: Array | None = None,
                   score: Callable[[g.Gaussian], tuple[Array, Array]] | None = None,
-                  max_divergence: float = MAX_DIVERGENCE, adaptive: bool = False
-                  ) -> tuple[ServerState, Array]:
+                  max_divergence: float = MAX_DIVERGENCE, adaptive: bool = False,
+                  keep: float = 0.0) -> tuple[ServerState, Array]:
     """Apply the acceptable deltas (stacked on axis 0; :func:`verdicts`) with the largest step in
     1, 1/2, ..., 2^-10 that keeps q finite and positive definite and, if ``score`` is given, does
     not lower the global ELBO by more than ``1e-2 + 1e-6 |ELBO|`` nats (a line search along the
@@ -349,7 +361,10 @@ def server_update(state: ServerState, messages: ClientMessage, received: Array |
     ``received`` (booleans, one per message) marks the clients that replied this round; the
     others' slots are ignored. Returns the new state (with how far q moved) and each client's
     reply: the step its delta was applied with, or 0 or a negative refusal code
-    (:data:`REFUSALS`) if it was not applied.
+    (:data:`REFUSALS`) if it was not applied. ``keep`` > 0: the step must also leave at least
+    ``keep`` times q's precision in every direction (DP-PVI's distributed noise, whose clients
+    do not halve their noisy steps: a total's noise could otherwise take a precision near zero,
+    and the mean with it).
     """
     verdict = verdicts(state.q, messages.delta, max_divergence)
     ok = verdict > 0
@@ -363,6 +378,9 @@ def server_update(state: ServerState, messages: ClientMessage, received: Array |
     sizes = jnp.asarray(STEP_SIZES, dtype=total.nat1.dtype)
     candidates = jax.vmap(lambda s: g.product(state.q, g.scale(total, s)))(sizes)
     accept = g.is_pd(candidates) & g.is_finite(candidates)
+    if keep > 0:
+        accept = accept & g.is_pd(jax.vmap(lambda c: g.product(c, g.scale(state.q, -keep)))(
+            candidates))
     if score is not None:
         judge = partial(_no_drop, score, state.q, candidates, verdict != NOT_FINITE)
         if adaptive:
@@ -454,6 +472,8 @@ def make_trio(solver: LocalSolver, damping: float, prior: g.Gaussian, *,
     the others.
     """
 
+    keep = float(getattr(solver, "keep_precision", 0.0))
+
     def client(server: ServerState, cstate: ClientState, data, mask, rng_key, index):
         return client_update(server.q, cstate, data, mask, rng_key, solver, damping)
 
@@ -476,11 +496,11 @@ def make_trio(solver: LocalSolver, damping: float, prior: g.Gaussian, *,
     def server(state: ServerState, msgs: ClientMessage, index, received, rng_key, evaluate):
         score = score_with(evaluate)
         if prior_solver is None or schedule == "sequential":
-            return server_update(state, msgs, received, score, max_divergence, adaptive)
+            return server_update(state, msgs, received, score, max_divergence, adaptive, keep)
         pmsg, _ = prior_update(state, prior_solver, damping, rng_key)
         both = jax.tree_util.tree_map(lambda a, b: jnp.concatenate([a, b[None]]), msgs, pmsg)
         state, steps = server_update(state, both, jnp.append(received, True), score,
-                                     max_divergence, adaptive)
+                                     max_divergence, adaptive, keep)
         return _acknowledge_prior(state, pmsg, steps[-1]), steps[:-1]
 
     def begin(state: ServerState, rng_key):

@@ -26,6 +26,13 @@ PVI's server judges each delta before it multiplies it into ``q`` (:func:`fedppl
   already damped). A total that fails is refused for every client in the sum, and each keeps
   its factor; each client applies its own delta with the step it is sent.
 
+DP-PVI's messages with distributed noise (:class:`fedppl.algorithms.dp_pvi.NoisyMessage`,
+``DPVirtualParties(distributed=t)``) take another path, as the total must stay linear in each
+client's noise: the client neither clips nor judges the plausibility of its noisy delta; it
+withholds it only if it is not finite or has an entry beyond the encoding's ``scale``
+(:func:`noisy_summand`), and the server refuses a total whose noise shares add up to less than
+the accounting assumes (:func:`noisy_total_check`) before folding its equal shares as above.
+
 EP's site updates (:class:`fedppl.algorithms.ep.EPMessage`, PVI's message and the sampler's
 diagnostics, which stay at the client) take the same path: EP's server is PVI's.
 
@@ -54,13 +61,17 @@ from jax import Array
 
 from fedppl import trees
 from fedppl.algorithms import pvi
+from fedppl.algorithms.dp_pvi import NoisyMessage
 from fedppl.families import gaussian as g
 
-__all__ = ["norm", "judge", "clip", "prepare", "summand", "share", "judge_total", "CHECK"]
+__all__ = ["norm", "judge", "clip", "prepare", "summand", "share", "judge_total", "CHECK",
+           "noisy_summand", "noisy_total_check", "NOISY_CHECK"]
 
 #: What a client checks of its own delta before it masks it (for the error that names it).
 CHECK = ("finite, q times it positive definite, within max_divergence and within the norm "
          "bound")
+#: What a client checks of a message with distributed DP noise (:func:`noisy_summand`).
+NOISY_CHECK = "finite, every entry within the secure sum's scale"
 
 
 def norm(delta: g.Gaussian) -> Array:
@@ -161,3 +172,32 @@ def share(server: pvi.ServerState, total: pvi.ClientMessage, n: int | Array
         converged=(~any_set(total.converged)).astype(jnp.result_type(total.converged)),
         iterations=jnp.zeros_like(total.iterations),
         **{name: _blank(getattr(total, name), jnp.nan) for name in _extras(total)})
+
+
+def noisy_summand(server: pvi.ServerState, msg: NoisyMessage, scale: float
+                  ) -> tuple[NoisyMessage, Array]:
+    """What a client adds into the secure sum for a message with distributed DP noise
+    (:class:`~fedppl.algorithms.dp_pvi.NoisyMessage`) and its verdict: the delta as it is (not
+    clipped, and not judged by the server's plausibility rules, so that the total stays linear
+    in the client's noise) with its noise share; withheld only if it is not finite
+    (:data:`~fedppl.algorithms.pvi.OWN_CHECK` plus ``NOT_FINITE``) or has an entry beyond
+    ``scale``, which the encoding cannot carry (plus ``BEYOND_NORM``). The diagnostics are
+    summed as :func:`summand` sums them."""
+    leaves = jax.tree_util.tree_leaves(msg.delta)
+    finite = g.is_finite(msg.delta)
+    largest = jnp.max(jnp.stack([jnp.max(jnp.abs(x)) for x in leaves]))
+    verdict = jnp.where(~finite, pvi.OWN_CHECK + pvi.NOT_FINITE,
+                        jnp.where(largest <= scale, 1.0, pvi.OWN_CHECK + pvi.BEYOND_NORM))
+    out = msg._replace(free_energy=jnp.zeros_like(msg.free_energy),
+                       converged=~jnp.asarray(msg.converged, bool),
+                       iterations=jnp.zeros_like(msg.iterations))
+    return out, verdict
+
+
+def noisy_total_check(server: pvi.ServerState, total: NoisyMessage, n: int | Array) -> Array:
+    """The server's check of a secure total of messages with distributed DP noise: 1.0 where
+    their noise shares add up to at least 1 (the total carries the noise the privacy
+    accounting assumes), else :data:`~fedppl.algorithms.pvi.NOISE_SHORT` (fewer clients in the
+    sum than ``distributed``): refused whole."""
+    shares = jnp.asarray(total.noise_share)
+    return jnp.where(shares >= 1.0 - 1e-6, 1.0, pvi.NOISE_SHORT)

@@ -320,6 +320,10 @@ class FederatedMethod:
         """The run's plan, before its first round (each method provides it)."""
         raise NotImplementedError(f"{type(self).__name__} provides no plan")
 
+    def _check_runtime(self, runtime: Runtime) -> None:
+        """Refuse, with a clear error, a runtime the method's settings cannot run on (none by
+        default; PVI's distributed DP noise needs one whose server sees only sums)."""
+
     def _refused(self, replies: Any, active: np.ndarray) -> np.ndarray:
         return np.zeros(len(active), bool)
 
@@ -365,6 +369,7 @@ class FederatedMethod:
                 raise TypeError(f"{type(self).__name__}.{old} is not read: pass the runtime to "
                                 "init or run (runtime=..., see fedppl.runtime.Runtime)")
         rt = as_runtime(runtime)
+        self._check_runtime(rt)
         data_at_server = rt.data_at_server
         plan = self._plan(rng_key, clients, data_at_server=data_at_server, **kwargs)
         return plan._replace(names=clients.names, data_at_server=data_at_server,

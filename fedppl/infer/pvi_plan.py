@@ -254,9 +254,17 @@ def _privacy_report(st: Static, log: Log, names: tuple[str, ...]) -> dict[str, A
         return None
     assert st.calibration is not None  # calibrated with the solver
     eps = _epsilon(st, log.dp_rounds)
-    return {"epsilon": dict(zip(names, eps.tolist(), strict=True)),
-            "worst_epsilon": float(eps.max()), "delta": st.privacy.delta,
-            "noise_multiplier": st.calibration.sigma, "clip": st.privacy.clip}
+    report = {"epsilon": dict(zip(names, eps.tolist(), strict=True)),
+              "worst_epsilon": float(eps.max()), "delta": st.privacy.delta,
+              "noise_multiplier": st.calibration.sigma, "clip": st.privacy.clip}
+    distributed = getattr(st.privacy, "distributed", None)
+    if distributed is not None:  # the guarantee of one message alone (the totals': above)
+        sigma = st.privacy.message_multiplier(st.calibration.sigma)
+        alone = st.privacy.spent(sigma, log.dp_rounds, st.sizes, st.calibration.steps)
+        report.update(distributed=distributed, message_noise_multiplier=sigma,
+                      message_epsilon=dict(zip(names, alone.tolist(), strict=True)),
+                      worst_message_epsilon=float(alone.max()))
+    return report
 
 
 # -- compiled once per (model, guide, settings) ----------------------------------------------

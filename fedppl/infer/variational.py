@@ -65,7 +65,7 @@ from fedppl.infer.pvi_plan import (
 )
 from fedppl.infer.pvi_result import PVIResult
 from fedppl.model_call import positional
-from fedppl.runtime.embedded import SCHEDULES
+from fedppl.runtime.embedded import SCHEDULES, Runtime
 
 __all__ = ["PVI", "GlobalVI", "PVIResult"]
 
@@ -181,6 +181,15 @@ class PVI(FederatedMethod):
     def _settings(self) -> solvers.Settings:
         return solvers.Settings(self.conjugate, self.solver, self.optimizer, self.local_steps,
                                 self.num_particles, self.local_tol, self.privacy, self._pooled)
+
+    def _check_runtime(self, runtime: Runtime) -> None:
+        distributed = getattr(self.privacy, "distributed", None)
+        if distributed is not None and not runtime.summed:
+            raise ValueError(
+                f"DPVirtualParties(distributed={distributed}) adds 1/{distributed} of the noise "
+                "at each client, which protects the data only where the server sees no single "
+                "message: run it under secure aggregation (runtime=SecureAggregation(...)"
+                ".runtime, or Task(..., secure=...) on Flower), or leave distributed unset")
 
     def init_factors(self, num_clients: int) -> g.Gaussian:
         """Flat factors ``t_k = 1`` for every client (q starts at the prior)."""

@@ -116,7 +116,8 @@ class Node:
         # planned on the server's kind of runtime (one whose server holds no data), so that
         # what a method chooses by the runtime (PVI's line search) gives the server's trio
         state = method.init(jax.random.key(self.task.seed), clients,
-                            runtime=Runtime(no_rounds, data_at_server=False), **kwargs)
+                            runtime=Runtime(no_rounds, data_at_server=False,
+                                            summed=self.task.secure is not None), **kwargs)
         return {"trio": state.plan.trio, "server": state.server, "clients": state.clients}
 
     def _build(self, rows: int) -> _Built:

@@ -138,11 +138,20 @@ def secure_form(method: Any, like: Any, secure: SecureSum | None = None) -> Secu
     ``secure``; a ``ValueError`` says why a method has none: its server needs each client's
     message, not only their sum. ``method`` None: the simulation's, which sees only the
     trio (a FedBNR run, whose settings decide, is refused there)."""
-    from fedppl.algorithms import ep, fedbnr, fsgp, pvi
+    from fedppl.algorithms import dp_pvi, ep, fedbnr, fsgp, pvi
     from fedppl.algorithms import importance as imp
 
     name = getattr(method, "name", type(method).__name__)
+    if isinstance(like, dp_pvi.NoisyMessage):  # DP-PVI's distributed noise
+        if secure is None:
+            raise ValueError("the secure form of DP-PVI's noisy messages needs the settings "
+                             "(SecureSum: its scale)")
+        return _noisy_form(float(secure.scale))
     if adds_noise(method):
+        if getattr(getattr(method, "privacy", None), "distributed", None) is None:
+            raise ValueError(f"{name} with privacy= and secure aggregation together needs the "
+                             "noise distributed over the secure sum: "
+                             "DPVirtualParties(..., distributed=t)")
         raise ValueError(f"{name} with privacy= and secure aggregation together is not "
                          "supported: run one or the other")
     if isinstance(like, fsgp.Message):
@@ -193,6 +202,22 @@ def _pvi_form(max_norm: float, max_divergence: float) -> SecureForm:
         return secure_pvi.judge_total(server, total, n, max_norm)
 
     return SecureForm(summand, secure_pvi.share, secure_pvi.CHECK, prepare, total_check)
+
+
+@lru_cache(maxsize=16)
+def _noisy_form(scale: float) -> SecureForm:
+    """DP-PVI's distributed-noise form (made once per scale): the noisy delta enters the sum as
+    it is, and the server checks that the total carries the assumed noise."""
+    from fedppl.algorithms import secure_pvi
+
+    def summand(server, msg):
+        return secure_pvi.noisy_summand(server, msg, scale)
+
+    def prepare(server, msg):  # the client keeps what it sends: its delta as it is
+        return msg
+
+    return SecureForm(summand, secure_pvi.share, secure_pvi.NOISY_CHECK, prepare,
+                      secure_pvi.noisy_total_check)
 
 
 @lru_cache(maxsize=16)
@@ -292,8 +317,8 @@ def _secure_round(trio: Trio, secure: SecureSum) -> Callable:
     """One compiled round of the simulated protocol; its last arguments are the fault plan (codes
     over :data:`~fedppl.runtime.faults.ALL_KINDS`) and whether a faulty client skips its
     check (one program for every fault setting)."""
+    from fedppl.algorithms import dp_pvi, pvi
     from fedppl.algorithms import importance as imp
-    from fedppl.algorithms import pvi
 
     scale = float(secure.scale)
 
@@ -313,10 +338,12 @@ def _secure_round(trio: Trio, secure: SecureSum) -> Callable:
         if form.prepare is None:
             raise ValueError("the simulation of secure aggregation runs synchronous PVI; FSGP "
                              "and FedBNR run it on Flower (Task.secure)")
-        if getattr(cstates, "parties", None) is not None:
-            raise ValueError("PVI with DPVirtualParties and secure aggregation together is not "
-                             "supported (the parties' factors would not follow a clipped "
-                             "delta): run one or the other")
+        if (getattr(cstates, "parties", None) is not None
+                and not isinstance(msgs, dp_pvi.NoisyMessage)):
+            raise ValueError("PVI with DPVirtualParties and secure aggregation together needs "
+                             "the noise distributed over the secure sum (the parties' factors "
+                             "would not follow a clipped delta): DPVirtualParties(..., "
+                             "distributed=t)")
         own = jax.vmap(form.prepare, (None, 0))(broadcast, msgs)  # what each client keeps
         wire = corrupt_where(own, plan, ALL_KINDS)  # a fault at the client, before its check
         summands, verdict = jax.vmap(form.summand, (None, 0))(broadcast, wire)

@@ -246,13 +246,16 @@ def test_what_secure_aggregation_refuses():
 
 
 def test_virtual_parties_and_secure_aggregation_are_refused():
-    """DP-PVI's virtual parties keep factors that sum to the client's: a clipped delta would
-    leave them apart, so the simulation refuses the combination, saying so."""
+    """DP-PVI's virtual parties with central noise keep factors that sum to the client's: a
+    clipped delta would leave them apart, so the simulation refuses the combination and points
+    to the distributed noise that secure aggregation takes (``test_secure_dp.py``)."""
     dp = fedppl.DPVirtualParties(clip=1.0, noise_multiplier=1.0, parties=2)
     private = fedppl.PVI(linear_regression, fedppl.PVIGuide(linear_regression),
                          schedule="synchronous", privacy=dp, local_steps=2)
     state = private.init(jax.random.key(0), _clients(), runtime=SecureAggregation(SECURE).runtime)
     with pytest.raises(ValueError, match="DPVirtualParties and secure aggregation"):
+        private.update(state)
+    with pytest.raises(ValueError, match=r"distributed=t"):
         private.update(state)
 
 
