@@ -1,5 +1,5 @@
 """Synchronous PVI with Flower's SecAgg+ inside its rounds (``Task.secure``), on the Simulation
-Engine (one engine start for the module).
+Engine (one Ray cluster for the module's two simulations).
 
 Bayesian linear regression on three nodes, three rounds, node 1's message NaN in round 2: the node
 refuses it before masking (naming itself), SecAgg+ goes on without it, and the server's
@@ -32,6 +32,9 @@ from fedppl.runtime.secure import QUANTIZATION, SecureSum, secure_form, sum_erro
 from . import flower_tasks
 from .test_flower_secagg import _masked, _simulate
 
+# the module's two simulations share one Ray cluster (tests/conftest.py)
+pytestmark = pytest.mark.usefixtures("one_ray_cluster")
+
 jax.config.update("jax_enable_x64", True)
 
 SCALE, K, ROUNDS = 1e3, 3, 3
@@ -46,7 +49,7 @@ def secure_pvi_task(run_config: dict[str, Any]):
 
 
 @pytest.fixture(scope="module")
-def run():
+def run(one_ray_cluster):
     with pytest.MonkeyPatch.context() as mp, pytest.warns(RuntimeWarning):
         result, state, received = _simulate(mp, secure_pvi_task, {})
     return result, state, received
