@@ -10,6 +10,12 @@ split), the training rows split homogeneously over 10 clients, synchronous sched
   shards' changes: perturbation of the global update);
 * ``virtual-parties``: :class:`fedppl.DPVirtualParties` (each client's records split among
   virtual parties with their own factors; the clipped, noised sum of their changes);
+* ``virtual-parties-secure``: the same virtual parties with the noise distributed over a
+  secure sum (``DPVirtualParties(distributed=7)`` on :class:`fedppl.runtime.SecureAggregation`
+  with SecAgg+'s default threshold 2/3, so that every total the server can decode covers at
+  least 7 of the 10 clients): each client adds 1/7 of the noise variance, the server sees only
+  totals; the table's epsilon is the totals' (the same accounting), and ``message eps`` the
+  guarantee of one client's message alone;
 * ``dp-global-vi``: the pooled training data as ONE client with DP-SGD (same rounds and local
   steps, so the same total number of steps);
 * ``non-private-pvi``: ``privacy=None``, the default natural-gradient local step, line search on.
@@ -67,7 +73,8 @@ jax.config.update("jax_cpu_enable_async_dispatch", False)
 
 EPSILONS = [0.5, 1.0, 2.0, 4.0, 8.0, math.inf]
 DELTA = 1e-5
-DP_VARIANTS = ["dp-optimisation", "local-averaging", "virtual-parties", "dp-global-vi"]
+DP_VARIANTS = ["dp-optimisation", "local-averaging", "virtual-parties", "dp-global-vi",
+               "virtual-parties-secure"]
 
 # chosen by the pilot (--pilot 1, --pilot 2; see PILOT); all DP variants share rounds and steps
 HP = {
@@ -77,10 +84,12 @@ HP = {
     "num_particles": 8,
     "learning_rate": 0.05,
     "damping": {"dp-optimisation": 0.2, "local-averaging": 0.2, "virtual-parties": 0.2,
-                "dp-global-vi": 1.0},
+                "dp-global-vi": 1.0, "virtual-parties-secure": 0.2},
     "dp_optimisation": {"clip": 2.0, "sampling_rate": 0.1},
     "local_averaging": {"clip": 0.3, "shards": 9},
     "virtual_parties": {"clip": 1.0, "parties": 9},
+    # the fewest clients a decoded total covers: SecAgg+'s threshold 2/3 of 10 clients
+    "secure": {"distributed": 7, "scale": 1e3, "threshold": 2 / 3},
     "non_private": {"damping": 1.0, "rounds": 10, "solver": "natural-gradient (default)",
                     "line_search": True},
     "predictive_draws": 1000,
@@ -129,10 +138,11 @@ def test_metrics(result, Xte, yte, seed: int, draws: int) -> tuple[float, float]
 def privacy_of(variant: str, eps: float, hp: dict):
     target = {"noise_multiplier": 0.0} if math.isinf(eps) else {"epsilon": eps,
                                                                   "rounds": hp["rounds"]}
-    if variant == "virtual-parties":
+    if variant in ("virtual-parties", "virtual-parties-secure"):
         vp = hp["virtual_parties"]
+        distributed = hp["secure"]["distributed"] if variant.endswith("secure") else None
         return fedppl.DPVirtualParties(clip=vp["clip"], parties=vp["parties"], delta=DELTA,
-                                       **target)
+                                       distributed=distributed, **target)
     if variant == "local-averaging":
         la = hp["local_averaging"]
         return fedppl.DPLocalAveraging(clip=la["clip"], shards=la["shards"], delta=DELTA,
@@ -156,16 +166,25 @@ def run_one(variant: str, eps: float, seed: int, hp: dict) -> dict:
                          num_particles=hp["num_particles"],
                          optimizer=optax.adam(hp["learning_rate"]), elbo_samples=0)
         rounds = hp["rounds"]
+    runtime = None
+    if variant == "virtual-parties-secure":
+        from fedppl.runtime.secure import SecureAggregation, SecureSum
+
+        sec = hp["secure"]
+        runtime = SecureAggregation(SecureSum(sec["scale"], sec["threshold"])).runtime
     t0 = time.perf_counter()
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        res = pvi.run(jax.random.key(seed), clients, rounds, progress_bar=False)
+        res = pvi.run(jax.random.key(seed), clients, rounds, progress_bar=False,
+                      runtime=runtime)
     seconds = time.perf_counter() - t0
     acc, ll = test_metrics(res, Xte, yte, seed, hp["predictive_draws"])
     p = res.privacy or {}
     return {"variant": variant, "epsilon": eps, "seed": seed, "test_accuracy": acc,
             "test_log_lik": ll, "achieved_worst_epsilon": p.get("worst_epsilon", math.inf),
             "noise_multiplier": p.get("noise_multiplier"), "rejected": len(res.rejected),
+            "message_worst_epsilon": p.get("worst_message_epsilon", math.inf)
+            if variant == "virtual-parties-secure" else None,
             "seconds": seconds}
 
 
@@ -189,6 +208,8 @@ def summarise(runs: list[dict]) -> list[dict]:
             if len(sel) > 1 else 0.0,
             "seeds": [r["seed"] for r in sel],
             "achieved_worst_epsilon": jnum(max(r["achieved_worst_epsilon"] for r in sel)),
+            "message_worst_epsilon": None if sel[0].get("message_worst_epsilon") is None
+            else jnum(max(r["message_worst_epsilon"] for r in sel)),
             "noise_multiplier": sel[0]["noise_multiplier"],
             "rejected_updates": int(sum(r["rejected"] for r in sel)),
             "seconds": float(np.mean([r["seconds"] for r in sel])),
@@ -201,15 +222,17 @@ def jnum(x):
 
 
 def table(rows: list[dict]) -> str:
-    out = ["| variant | epsilon | achieved eps | noise mult. | test accuracy | test log-lik "
-           "| s/run |",
-           "|---|---|---|---|---|---|---|"]
+    out = ["| variant | epsilon | achieved eps | message eps | noise mult. | test accuracy "
+           "| test log-lik | s/run |",
+           "|---|---|---|---|---|---|---|---|"]
     for r in rows:
         eps = "inf" if r["epsilon"] == "inf" else f"{r['epsilon']:g}"
         ach = r["achieved_worst_epsilon"]
         ach = "inf" if ach == "inf" else f"{ach:.2f}"
         nm = "-" if r["noise_multiplier"] is None else f"{r['noise_multiplier']:.3g}"
-        out.append(f"| {r['variant']} | {eps} | {ach} | {nm} | "
+        msg = r.get("message_worst_epsilon")
+        msg = "-" if msg is None else ("inf" if msg == "inf" else f"{msg:.2f}")
+        out.append(f"| {r['variant']} | {eps} | {ach} | {msg} | {nm} | "
                    f"{r['test_accuracy']:.3f} ± {r['test_accuracy_std']:.3f} | "
                    f"{r['test_log_lik']:.3f} ± {r['test_log_lik_std']:.3f} | "
                    f"{r['seconds']:.1f} |")
@@ -227,7 +250,7 @@ def plot(rows: list[dict], path: Path, epsilons: list[float]) -> None:
     fig, axes = plt.subplots(1, 2, figsize=(11, 4.2))
     for ax, key, label in ((axes[0], "test_accuracy", "test accuracy"),
                            (axes[1], "test_log_lik", "test log-likelihood per point")):
-        for variant, marker in zip(DP_VARIANTS, "osD^", strict=True):
+        for variant, marker in zip(DP_VARIANTS, "osD^v", strict=True):
             sel = [r for r in rows if r["variant"] == variant]
             if not sel:
                 continue
@@ -344,7 +367,9 @@ def main() -> None:
     if args.variants is not None and out.exists():  # keep the other variants' runs
         runs = [{**r, "epsilon": math.inf if r["epsilon"] == "inf" else r["epsilon"],
                  "achieved_worst_epsilon": math.inf if r["achieved_worst_epsilon"] == "inf"
-                 else r["achieved_worst_epsilon"]}
+                 else r["achieved_worst_epsilon"],
+                 "message_worst_epsilon": math.inf if r.get("message_worst_epsilon") == "inf"
+                 else r.get("message_worst_epsilon")}
                 for r in json.loads(out.read_text())["runs"] if r["variant"] not in variants]
 
     def dump() -> list[dict]:
@@ -363,7 +388,8 @@ def main() -> None:
             "wall_seconds": time.perf_counter() - t_start,
             "rows": rows,
             "runs": [{**r, "epsilon": jnum(r["epsilon"]),
-                      "achieved_worst_epsilon": jnum(r["achieved_worst_epsilon"])}
+                      "achieved_worst_epsilon": jnum(r["achieved_worst_epsilon"]),
+                      "message_worst_epsilon": jnum(r.get("message_worst_epsilon"))}
                      for r in runs],
         }
         out.write_text(json.dumps(stamp(report), indent=1))
