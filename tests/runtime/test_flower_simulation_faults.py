@@ -73,40 +73,6 @@ def test_flower_task_needs_enough_nodes():
     assert isinstance(app, FlowerApp) and Task is not None
 
 
-def test_faults_leave_the_server_as_a_clean_run_without_those_clients():
-    """A node that crashes, sends a message of the wrong shape, answers after the round's timeout
-    or sends NaN: that round's server update goes on without it, ``rejected`` names it with the
-    reason, and the posterior equals an embedded run in which those clients sat those rounds
-    out. The straggler's late answer (round 4) is never applied: the node learns so when the
-    run ends and keeps its old factor."""
-    faults = {(1, 2): "crash", (2, 3): "wrong_shape", (0, 4): "slow",
-              (1, 5): partial(corrupt, kind="nan")}
-
-    def task(run_config):
-        base = flower_tasks.task({"method": "pvi-synchronous"})
-        return base._replace(method=flower_tasks.Absent(base.method, {5: [0]}), num_rounds=5,
-                             round_timeout=3.0, fault=lambda k, r: faults.get((k, r)))
-
-    app = FlowerApp(task)
-    result = app.simulate(num_workers=2)
-    why = {(r, who): reason for r, who, reason in result.rejected
-           if not reason.startswith("final acknowledgement")}
-    assert "fault injected" in why[(2, "client 1")]
-    assert "array" in why[(3, "client 2")] and "expected" in why[(3, "client 2")]
-    assert "no answer within 3 s" in why[(4, "client 0")]
-    assert (5, "client 1") in why  # NaN: refused by the method's own server
-    # a clean run with the same participants (on a loaded machine another answer may be late)
-    absent: dict[int, list[int]] = {5: [0]}
-    for r, who in why:
-        absent.setdefault(r, []).append(int(who.split()[-1]))
-    clients, _ = flower_tasks._data("pvi-synchronous")
-    clean = flower_tasks.Absent(flower_tasks._method("pvi-synchronous"), absent)
-    clean.line_search = "adaptive"  # PVI's default on a deployment
-    want = clean.run(jax.random.key(0), clients, 5, progress_bar=False)
-    np.testing.assert_allclose(result.q.nat1, want.q.nat1, rtol=1e-9, atol=1e-10)
-    np.testing.assert_allclose(result.q.prec, want.q.prec, rtol=1e-9, atol=1e-10)
-
-
 def test_secure_aggregation_sums_the_statistics():
     """SecAgg+ (Flower's secaggplus_mod on every node): the securely aggregated sufficient
     statistics equal their plain sum to the quantisation's bound, and give the same exact
@@ -163,3 +129,39 @@ def test_private_pvi_noise_comes_from_the_node_not_the_server():
     mean, var = flower.mean_and_cov()
     assert np.all(np.isfinite(mean)) and np.all(var > 0)
     assert not np.allclose(mean, embedded.mean_and_cov()[0], rtol=1e-6, atol=1e-9)
+
+
+# last: the one run on two Ray workers (its cluster is started afresh with those arguments;
+# the runs above share one with a single worker, tests/conftest.py)
+def test_faults_leave_the_server_as_a_clean_run_without_those_clients():
+    """A node that crashes, sends a message of the wrong shape, answers after the round's timeout
+    or sends NaN: that round's server update goes on without it, ``rejected`` names it with the
+    reason, and the posterior equals an embedded run in which those clients sat those rounds
+    out. The straggler's late answer (round 4) is never applied: the node learns so when the
+    run ends and keeps its old factor."""
+    faults = {(1, 2): "crash", (2, 3): "wrong_shape", (0, 4): "slow",
+              (1, 5): partial(corrupt, kind="nan")}
+
+    def task(run_config):
+        base = flower_tasks.task({"method": "pvi-synchronous"})
+        return base._replace(method=flower_tasks.Absent(base.method, {5: [0]}), num_rounds=5,
+                             round_timeout=3.0, fault=lambda k, r: faults.get((k, r)))
+
+    app = FlowerApp(task)
+    result = app.simulate(num_workers=2)
+    why = {(r, who): reason for r, who, reason in result.rejected
+           if not reason.startswith("final acknowledgement")}
+    assert "fault injected" in why[(2, "client 1")]
+    assert "array" in why[(3, "client 2")] and "expected" in why[(3, "client 2")]
+    assert "no answer within 3 s" in why[(4, "client 0")]
+    assert (5, "client 1") in why  # NaN: refused by the method's own server
+    # a clean run with the same participants (on a loaded machine another answer may be late)
+    absent: dict[int, list[int]] = {5: [0]}
+    for r, who in why:
+        absent.setdefault(r, []).append(int(who.split()[-1]))
+    clients, _ = flower_tasks._data("pvi-synchronous")
+    clean = flower_tasks.Absent(flower_tasks._method("pvi-synchronous"), absent)
+    clean.line_search = "adaptive"  # PVI's default on a deployment
+    want = clean.run(jax.random.key(0), clients, 5, progress_bar=False)
+    np.testing.assert_allclose(result.q.nat1, want.q.nat1, rtol=1e-9, atol=1e-10)
+    np.testing.assert_allclose(result.q.prec, want.q.prec, rtol=1e-9, atol=1e-10)
