@@ -152,9 +152,9 @@ def averaging_neighbours(clients):
 
 
 @pytest.fixture(scope="module")
-def parties_neighbours(clients):
-    """Virtual parties' release (the sum of the parties' noised changes) with and without a
-    record that is alone in its party."""
+def parties_changes(clients):
+    """Virtual parties' clipped changes on a client's records and without a record that is
+    alone in its party (the solver, q, both changes, and the clip and multiplier)."""
     guide = fedppl.PVIGuide(model)
     guide.setup(*clients.client(0))
     data, mask = tuple(a[0] for a in clients.stacked), clients.mask[0]
@@ -172,26 +172,70 @@ def parties_neighbours(clients):
     shard = int(shard_labels(mask.shape[0], M)[0])
     for j in range(M):
         assert np.array_equal(rows[j], rows_fewer[j]) == (j != shard)
+    return solver, q, full, fewer, clip, sigma
 
-    def released(sig, changes, keys):
-        mech = solver._replace(noise_multiplier=sig)
-        return jax.vmap(lambda k: _flat(jax.tree_util.tree_map(
-            lambda x: jnp.sum(x, axis=0), mech.release(q, changes, k))))(keys)
 
+def _parties_release(solver, q, changes, sig, keys, others=0):
+    """The sum of the parties' noised changes (one client's message) for each key, plus
+    ``others`` more clients' messages whose changes are zero (their noise only: a total of
+    ``others + 1`` clients, whose other data the neighbours share)."""
+    mech = solver._replace(noise_multiplier=sig)
+    zero = jax.tree_util.tree_map(jnp.zeros_like, changes)
+
+    def one(k):
+        total = _flat(jax.tree_util.tree_map(lambda x: jnp.sum(x, axis=0),
+                                             mech.release(q, changes, k)))
+        for j in range(others):
+            total = total + _flat(jax.tree_util.tree_map(
+                lambda x: jnp.sum(x, axis=0), mech.release(q, zero, jax.random.fold_in(k, j))))
+        return total
+
+    return jax.vmap(one)(keys)
+
+
+@pytest.fixture(scope="module")
+def parties_neighbours(parties_changes):
+    """Virtual parties' release (the sum of the parties' noised changes) with and without a
+    record that is alone in its party."""
+    solver, q, full, fewer, clip, sigma = parties_changes
     one = jax.random.split(jax.random.key(0), 1)
-    mu, mu_prime = released(0.0, full, one)[0], released(0.0, fewer, one)[0]
+    mu = _parties_release(solver, q, full, 0.0, one)[0]
+    mu_prime = _parties_release(solver, q, fewer, 0.0, one)[0]
     np.testing.assert_allclose(np.linalg.norm(mu - mu_prime), clip, rtol=1e-6)
 
     def sample(first, shrink, n=20_000):
-        return np.asarray(released(sigma / shrink, full if first else fewer,
-                                   jax.random.split(jax.random.key(30 + first), n)))
+        return np.asarray(_parties_release(solver, q, full if first else fewer, sigma / shrink,
+                                           jax.random.split(jax.random.key(30 + first), n)))
+
+    return np.asarray(mu), np.asarray(mu_prime), sample, sigma * clip, sigma
+
+
+T = 4  # the distributed noise's clients per total
+
+
+@pytest.fixture(scope="module")
+def distributed_neighbours(parties_changes):
+    """Virtual parties with the noise distributed over ``T`` clients (``distributed=T``): the
+    total of the record's client's message and ``T - 1`` other clients' (each adding a
+    ``T``-th of the noise variance), with and without the record: the mechanism the
+    accountant counts on a secure total."""
+    solver, q, full, fewer, clip, sigma = parties_changes
+    solver = solver._replace(distributed=T)
+    one = jax.random.split(jax.random.key(0), 1)
+    mu = _parties_release(solver, q, full, 0.0, one)[0]
+    mu_prime = _parties_release(solver, q, fewer, 0.0, one)[0]
+
+    def sample(first, shrink, n=20_000, others=T - 1):
+        return np.asarray(_parties_release(solver, q, full if first else fewer, sigma / shrink,
+                                           jax.random.split(jax.random.key(40 + first), n),
+                                           others))
 
     return np.asarray(mu), np.asarray(mu_prime), sample, sigma * clip, sigma
 
 
 @pytest.mark.parametrize("method", ["rdp", "pld"])
 @pytest.mark.parametrize("which", ["sgd_neighbours", "averaging_neighbours",
-                                   "parties_neighbours"])
+                                   "parties_neighbours", "distributed_neighbours"])
 def test_released_quantity_is_epsilon_delta_private(which, method, request):
     mu, mu_prime, sample, std, sigma = request.getfixturevalue(which)
     delta = 0.01
@@ -200,6 +244,28 @@ def test_released_quantity_is_epsilon_delta_private(which, method, request):
         assert est <= delta + 4 * se
     for est, se in _check(mu, mu_prime, sample, std, eps, 10.0):
         assert est > delta + 4 * se  # a tenth of the noise breaks the accounted epsilon
+
+
+def test_one_message_of_distributed_noise_carries_only_its_share(distributed_neighbours):
+    """With the noise distributed over ``T`` clients, one client's message alone (noise sd
+    ``sigma * clip / sqrt(T)``) breaks the totals' epsilon, and meets the epsilon of multiplier
+    ``sigma / sqrt(T)`` that ``result.privacy["message_epsilon"]`` reports."""
+    mu, mu_prime, sample, std, sigma = distributed_neighbours
+    delta = 0.01
+    alone = fedppl.DPVirtualParties(clip=1.0, noise_multiplier=sigma, distributed=T)
+    weaker = alone.message_multiplier(sigma)
+    assert weaker == pytest.approx(sigma / math.sqrt(T))
+
+    def message(first, shrink, n=20_000):
+        return sample(first, shrink, n, others=0)
+
+    eps = accounting.epsilon(dp_accounting.GaussianDpEvent(sigma), delta)
+    eps_alone = accounting.epsilon(dp_accounting.GaussianDpEvent(weaker), delta)
+    scale = std / math.sqrt(T)
+    for est, se in _check(mu, mu_prime, message, scale, eps, 1.0):
+        assert est > delta + 4 * se
+    for est, se in _check(mu, mu_prime, message, scale, eps_alone, 1.0):
+        assert est <= delta + 4 * se
 
 
 def test_clipping_bounds_every_record():
