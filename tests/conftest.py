@@ -172,7 +172,6 @@ SLOW_FILES = (
     "tests/infer/test_sgp_edge_cases.py",
     "tests/infer/test_sparse_gps.py",
     "tests/test_hierarchical_users.py",
-    "tests/pyro/test_flower.py",
     "tests/algorithms/test_dp_pvi.py",
     "tests/pyro/test_check.py",
     "tests/pyro/test_ep.py",

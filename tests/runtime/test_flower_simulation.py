@@ -6,7 +6,8 @@ four (PVI's two schedules, FSGP, FedBNR) always run; the DPO sparse GP and pFed-
 more each on 2 cores) run with the deployment suite when ``FEDPPL_FLOWER_FULL=1`` is set.
 PVI's line search on Flower (one exchange a round by default, the adaptive search's
 ``evaluate`` exchanges) runs here too, on the module's Ray cluster, rather than in
-``tests/infer/test_variational.py``, which would start Ray for it alone.
+``tests/infer/test_variational.py``, which would start Ray for it alone; so does a Pyro
+model's PVI (the Pyro port on Flower).
 """
 
 from __future__ import annotations
@@ -177,6 +178,62 @@ def test_flower_adaptive_line_search_scores_the_flagged_rounds(monkeypatch):
     np.testing.assert_array_equal(result.history["exchanges"], want.history["exchanges"])
     np.testing.assert_allclose(result.q.prec, want.q.prec, rtol=1e-10)
     np.testing.assert_allclose(result.q.nat1, want.q.nat1, rtol=1e-10)
+
+
+# -- a Pyro model: the Pyro port's PVI is the core's plan, so Flower runs it as the core's ---------
+
+PYRO_ROUNDS = 3
+
+
+def _pyro_clients():
+    from tests.pyro import models
+
+    rng = np.random.default_rng(0)
+    X = rng.normal(size=(60, 3))
+    y = X @ np.array([1.0, -2.0, 0.5]) + models.NOISE * rng.normal(size=60)
+    return fedppl.partition.homogeneous(X, y, num_clients=3, seed=0)
+
+
+def _pyro_pvi():
+    import torch
+
+    import fedppl.pyro as fp
+    from tests.pyro import models
+
+    guide = fp.PVIGuide(models.linear_py, family="fullrank", dtype=torch.float64)
+    return fp.PVI(models.linear_py, guide, "synchronous", damping=0.5, elbo_samples=0)
+
+
+def _pyro_task(run_config):  # built on the server and on every node
+    from fedppl.runtime.flower import Task
+
+    jax.config.update("jax_enable_x64", True)
+    clients = _pyro_clients()
+    return Task(_pyro_pvi(), clients.client, clients.num_clients, PYRO_ROUNDS,
+                run_kwargs={"progress_bar": False})
+
+
+def test_a_pyro_model_on_flower_is_the_embedded_and_the_numpyro_run():
+    """A Pyro model on the Simulation Engine: the answer is the embedded runtime's (to
+    round-off) and the NumPyro core's (Bayesian linear regression: both the exact posterior)."""
+    pytest.importorskip("pyro", reason="the Pyro port needs the pyro extra")
+    import fedppl.pyro as fp
+    from tests.pyro import models
+
+    clients = _pyro_clients()
+    got = FlowerApp(_pyro_task).simulate()
+    # Flower hands every method jax.random.key(seed): the port takes it as its key
+    embedded = _pyro_pvi().run(jax.random.key(0), clients, PYRO_ROUNDS, progress_bar=False)
+    numpyro = fedppl.PVI(models.linear_np, fedppl.PVIGuide(models.linear_np, family="fullrank"),
+                         "synchronous", damping=0.5, elbo_samples=0).run(
+        jax.random.key(0), clients, PYRO_ROUNDS, progress_bar=False)
+    assert isinstance(got, fp.PVIResult) and got.rejected == []
+    mean, cov = (x.numpy() for x in got.mean_and_cov())
+    for other in (embedded.mean_and_cov(), numpyro.mean_and_cov()):
+        np.testing.assert_allclose(mean, np.asarray(other[0]), rtol=1e-9, atol=1e-10)
+        np.testing.assert_allclose(cov, np.asarray(other[1]), rtol=1e-9, atol=1e-10)
+    for key in ("messages_up", "bytes_up", "bytes_down"):
+        np.testing.assert_array_equal(got.history[key], embedded.history[key])
 
 
 def test_the_module_runs_on_one_ray_cluster(one_ray_cluster):
