@@ -361,12 +361,15 @@ def server_update(state: ServerState, messages: ClientMessage, received: Array |
     ``received`` (booleans, one per message) marks the clients that replied this round; the
     others' slots are ignored. Returns the new state (with how far q moved) and each client's
     reply: the step its delta was applied with, or 0 or a negative refusal code
-    (:data:`REFUSALS`) if it was not applied. ``keep`` > 0: the step must also leave at least
-    ``keep`` times q's precision in every direction (DP-PVI's distributed noise, whose clients
-    do not halve their noisy steps: a total's noise could otherwise take a precision near zero,
-    and the mean with it).
+    (:data:`REFUSALS`) if it was not applied. ``keep`` > 0 (DP-PVI's distributed noise, whose
+    clients do not halve their noisy steps): the step must also leave at least ``keep`` times
+    q's precision in every direction (a total's noise could otherwise take a precision near
+    zero, and the mean with it), and a delta that alone would leave q improper is not refused
+    but left to that step search, as a client would halve its own.
     """
     verdict = verdicts(state.q, messages.delta, max_divergence)
+    if keep > 0:  # a noisy delta that alone would leave q improper: the step search judges it
+        verdict = jnp.where(verdict == NOT_PD, 1.0, verdict)
     ok = verdict > 0
     if received is not None:
         ok = ok & received
