@@ -29,6 +29,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import random
 import shutil
 import signal
 import socket
@@ -36,7 +37,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Collection, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -46,7 +47,11 @@ except ImportError as err:  # pragma: no cover - the extra is installed by make 
     raise ImportError("fedppl.runtime.deployment needs Flower: pip install 'fedppl[flower]'"
                       ) from err
 
-__all__ = ["LocalDeployment", "DeploymentError", "free_port", "write_app", "FAST_POLL_NODES"]
+__all__ = ["LocalDeployment", "DeploymentError", "free_port", "write_app", "FAST_POLL_NODES",
+           "PORT_RETRIES"]
+
+#: How many times a process whose port was taken between its choice and its bind starts again.
+PORT_RETRIES = 3
 
 #: Up to this many nodes a local deployment's SuperNodes poll often while busy (K = 10 on 2 cores:
 #: 3.7 s a round against 4.8 s with Flower's own poll; K = 50: 37 s against 19 s).
@@ -57,11 +62,37 @@ class DeploymentError(RuntimeError):
     """A local deployment that did not start, or a run that failed (with the logs)."""
 
 
-def free_port() -> int:
-    """A TCP port on 127.0.0.1 that nothing listens on now."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
+def free_port(avoid: Collection[int] = ()) -> int:
+    """A TCP port on 127.0.0.1 that nothing listens on now, none of ``avoid``, chosen below the
+    kernel's ephemeral range where it can: outgoing connections take their local ports from that
+    range, so a port chosen there can be taken before its server binds it (at K = 50 a
+    SuperNode's Runtime API failed to start that way)."""
+    low = _ephemeral_low()
+    if low > 10_100:
+        for port in random.sample(range(10_000, low), min(200, low - 10_000)):
+            if port in avoid:
+                continue
+            with socket.socket() as s:
+                try:
+                    s.bind(("127.0.0.1", port))
+                except OSError:
+                    continue
+                return port
+    for _ in range(100):
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = int(s.getsockname()[1])
+        if port not in avoid:
+            return port
+    raise DeploymentError("no free TCP port on 127.0.0.1")
+
+
+def _ephemeral_low() -> int:
+    """The first port of the kernel's ephemeral range (Linux; 32768, its default, elsewhere)."""
+    try:
+        return int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        return 32768
 
 
 def write_app(folder: str | os.PathLike, task: str, config: Mapping[str, Any],
@@ -104,7 +135,13 @@ class LocalDeployment:
     nodes cost the SuperLink more than they save: ``benchmarks/flower_overhead.py``);
     ``workers``: how many warm ClientApp processes serve the nodes (default one per node, as
     at separate sites; fewer share them, node ``k`` served by worker ``k % workers``, to fit
-    many nodes in one machine's memory)."""
+    many nodes in one machine's memory).
+
+    Ports: the SuperLink's (unless ``port`` is given) and each SuperNode's Runtime API are
+    chosen free (:func:`free_port`); a process whose port was taken by the time it bound it
+    starts again on another, up to :data:`PORT_RETRIES` times (``restarts`` lists them), and
+    the workers start only once every node's Runtime API listens. A start that still fails
+    raises :class:`DeploymentError` naming the process and its port."""
 
     def __init__(self, num_nodes: int, *, node_config: Callable[[int], Mapping] | None = None,
                  start_timeout: float = 60.0, env: Mapping[str, str] | None = None,
@@ -127,6 +164,8 @@ class LocalDeployment:
         self.extra_env = dict(env or {})
         self.requested_port = port
         self.procs: dict[str, subprocess.Popen] = {}
+        self.ports: dict[str, int] = {}  # each process's own port
+        self.restarts: list[tuple[str, int]] = []  # (process, the port that was taken)
         self.home: Path | None = None
 
     # -- processes -------------------------------------------------------------------------------
@@ -166,27 +205,14 @@ class LocalDeployment:
         self.home = Path(tempfile.mkdtemp(prefix="fedppl-flower-"))
         (self.home / "flwr").mkdir()
         try:
-            self.port = self.requested_port or free_port()
-            self.address = f"127.0.0.1:{self.port}"
-            self._start("superlink", [self._bin("flower-superlink"), "--insecure",
-                                      "--disable-runtime-dependency-installation",
-                                      "--host", "127.0.0.1", "--port", str(self.port)])
-            self._wait(lambda: "Uvicorn running" in self.log("superlink"), "the SuperLink")
+            self._start_superlink()
             (self.home / "flwr" / "config.toml").write_text(
                 f'[superlink]\ndefault = "local"\n\n[superlink.local]\n'
                 f'address = "{self.address}"\ninsecure = true\n')
-            runtimes = []
             for k in range(self.num_nodes):
-                config = " ".join(f"{key}={_toml(v)}" for key, v in self.node_config(k).items())
-                runtime = free_port()
-                runtimes.append(f"127.0.0.1:{runtime}")
-                supernode = ([self._bin("flower-supernode")] if self.node_poll is None else
-                             [sys.executable, "-m", "fedppl.runtime.flower_supernode",
-                              "--poll", str(self.node_poll), "--"])
-                self._start(f"node-{k}", [
-                    *supernode, "--insecure", "--superlink", self.address,
-                    "--port", str(runtime), "--node-config", config,
-                    "--isolation", self.isolation])
+                self._start_node(k)
+            self._bound([f"node-{k}" for k in range(self.num_nodes)], self._start_node_named)
+            runtimes = [f"127.0.0.1:{self.ports[f'node-{k}']}" for k in range(self.num_nodes)]
             for w in range(self.workers if self.isolation == "process" else 0):
                 served = runtimes[w::self.workers]  # the warm ClientApp processes
                 self._start(f"worker-{w}", [
@@ -199,12 +225,68 @@ class LocalDeployment:
             raise
         return self
 
+    def _start_superlink(self) -> None:
+        self._launch_superlink()
+        if self.requested_port is None:  # a port taken since it was chosen: another
+            self._bound(["superlink"], lambda name: self._launch_superlink())
+        self._wait(lambda: "Uvicorn running" in self.log("superlink"), "the SuperLink")
+
+    def _launch_superlink(self) -> None:
+        self.port = self.requested_port or free_port(self.ports.values())
+        self.ports["superlink"] = self.port
+        self.address = f"127.0.0.1:{self.port}"
+        self._start("superlink", [self._bin("flower-superlink"), "--insecure",
+                                  "--disable-runtime-dependency-installation",
+                                  "--host", "127.0.0.1", "--port", str(self.port)])
+
+    def _start_node(self, k: int) -> None:
+        name = f"node-{k}"
+        port = free_port(self.ports.values())
+        self.ports[name] = port
+        config = " ".join(f"{key}={_toml(v)}" for key, v in self.node_config(k).items())
+        supernode = ([self._bin("flower-supernode")] if self.node_poll is None else
+                     [sys.executable, "-m", "fedppl.runtime.flower_supernode",
+                      "--poll", str(self.node_poll), "--"])
+        self._start(name, [*supernode, "--insecure", "--superlink", self.address,
+                           "--port", str(port), "--node-config", config,
+                           "--isolation", self.isolation])
+
+    def _start_node_named(self, name: str) -> None:
+        self._start_node(int(name.split("-")[1]))
+
+    def _bound(self, names: list[str], again: Callable[[str], None]) -> None:
+        """Wait until each of ``names`` listens on its port (its HTTP server says it runs); one
+        that exits because its port was taken since it was chosen starts again on another
+        (``again(name)``), up to :data:`PORT_RETRIES` times."""
+        pending, tries = set(names), dict.fromkeys(names, 0)
+        deadline = time.monotonic() + self.start_timeout
+        while pending:
+            for name in sorted(pending):
+                log = self.log(name)
+                if "Uvicorn running" in log:
+                    pending.discard(name)
+                elif self.procs[name].poll() is not None:
+                    if "address already in use" in log and tries[name] < PORT_RETRIES:
+                        tries[name] += 1
+                        self.restarts.append((name, self.ports[name]))
+                        self.procs.pop(name).wait()
+                        again(name)
+                    else:
+                        raise DeploymentError(f"{name} (port {self.ports[name]}) exited while "
+                                              f"starting:\n{log[-2000:]}")
+            if pending and time.monotonic() > deadline:
+                who = ", ".join(f"{n} (port {self.ports[n]})" for n in sorted(pending))
+                raise DeploymentError(f"timed out after {self.start_timeout:g} s waiting for "
+                                      f"{who} to listen")
+            time.sleep(0.1)
+
     def _wait(self, ready: Callable[[], bool], what: str) -> None:
         deadline = time.monotonic() + self.start_timeout
         while not ready():
             dead = [n for n, p in self.procs.items() if p.poll() is not None]
             if dead:
-                raise DeploymentError(f"{dead[0]} exited while waiting for {what}:\n"
+                port = f" (port {self.ports[dead[0]]})" if dead[0] in self.ports else ""
+                raise DeploymentError(f"{dead[0]}{port} exited while waiting for {what}:\n"
                                       f"{self.log(dead[0])[-2000:]}")
             if time.monotonic() > deadline:
                 raise DeploymentError(f"timed out after {self.start_timeout:g} s waiting for "

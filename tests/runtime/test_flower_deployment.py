@@ -20,6 +20,7 @@ import pytest
 pytest.importorskip("flwr", reason="the Flower tests need the flower extra: "
                     "pip install 'fedppl[flower]'")
 
+from fedppl.runtime import deployment as local
 from fedppl.runtime.deployment import DeploymentError, LocalDeployment, write_app
 
 from . import flower_tasks
@@ -197,3 +198,41 @@ def test_unreachable_superlink_is_a_clear_error(tmp_path):
             pass
         assert time.monotonic() - t0 < 60
     assert all(p.poll() is not None for p in deployment.procs.values())
+
+
+def test_ports_are_chosen_below_the_ephemeral_range():
+    """Outgoing connections take their local ports from the kernel's ephemeral range, so a
+    port chosen there can be gone before its server binds it: the chosen ports lie below it,
+    none of those to avoid, each free."""
+    import socket
+
+    low = local._ephemeral_low()
+    chosen = [local.free_port() for _ in range(20)]
+    assert all(10_000 <= p < low for p in chosen)
+    again = local.free_port(avoid=chosen)
+    assert again not in chosen
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", again))  # free
+
+
+def test_a_port_taken_before_its_node_binds_it_is_retried(monkeypatch):
+    """The failure seen at K = 50 (``SuperNode Runtime HTTP API failed to start``: its port
+    taken between its choice and its bind), injected: the node's first port is held by a
+    listener; the node starts again on another, the deployment comes up and says so."""
+    import socket
+
+    with socket.socket() as held:
+        held.bind(("127.0.0.1", 0))
+        held.listen()
+        taken, choose, calls = held.getsockname()[1], local.free_port, []
+
+        def first_node_port_taken(avoid=()):
+            calls.append(avoid)
+            return taken if len(calls) == 2 else choose(avoid)  # call 1: the SuperLink's
+
+        monkeypatch.setattr(local, "free_port", first_node_port_taken)
+        with LocalDeployment(1, isolation="subprocess", node_poll=None) as fed:
+            assert fed.restarts == [("node-0", taken)]
+            assert fed.ports["node-0"] != taken
+            assert "Activated node_id" in fed.log("superlink")
+    assert all(p.poll() is not None for p in fed.procs.values())

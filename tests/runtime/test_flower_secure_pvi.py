@@ -9,6 +9,9 @@ own quantised summand.
 
 The importance check (one round from the prior) through SecAgg+: the server holds each draw's
 log-likelihood summed over the nodes, equal to the plain check's sum within the bound.
+
+DP-PVI's noise distributed over the sum (``distributed=3``; node 1's message NaN in round 2):
+node 1 withholds it, and the total of the other two, short of the assumed noise, is refused.
 """
 
 from __future__ import annotations
@@ -25,12 +28,15 @@ pytest.importorskip("flwr", reason="the Flower tests need the flower extra: "
                     "pip install 'fedppl[flower]'")
 
 import fedppl
+from fedppl.algorithms.pvi import NOISE_SHORT, REFUSALS
+from fedppl.families.gaussian import is_finite, is_pd
 from fedppl.models import linear_regression
 from fedppl.runtime.faults import corrupt
 from fedppl.runtime.secure import QUANTIZATION, SecureSum, secure_form, sum_error
 
 from . import flower_tasks
 from .test_flower_secagg import _masked, _simulate
+from .test_secure_dp import _pvi as _dp_pvi
 
 # the module's two simulations share one Ray cluster (tests/conftest.py)
 pytestmark = pytest.mark.usefixtures("one_ray_cluster")
@@ -124,3 +130,37 @@ def test_the_check_on_flower_receives_only_the_total():
     assert len(_masked(received)) == K
     with pytest.raises(ValueError, match="secure aggregation withholds"):
         result.loo()
+
+
+def secure_dp_task(run_config: dict[str, Any]):
+    """DP-PVI's virtual parties with the noise distributed over the three nodes' secure sum
+    (``distributed=3``, :mod:`tests.runtime.test_secure_dp`'s settings); node 1's message NaN
+    in round 2."""
+    base = flower_tasks.task({"method": "pvi-synchronous", "line-search": False})
+    nan = partial(corrupt, kind="nan")
+    return base._replace(method=_dp_pvi(1.0, K), secure=SecureSum(SCALE), num_rounds=ROUNDS,
+                         fault=lambda k, r: nan if (k, r) == (1, 2) else None)
+
+
+def test_distributed_dp_a_total_short_of_noise_is_refused():
+    """On the Simulation Engine through SecAgg+ (``t = 3`` of three nodes; node 1's message
+    NaN in round 2): node 1 withholds its message, naming the reason, and the total of the other
+    two carries two thirds of the assumed noise, so the server refuses it for both; rounds 1 and
+    3 are applied. The ServerApp received masked vectors only; the accounting is the
+    simulation's (the nodes' noise is their own: each folds a secret into its key, so the
+    posterior is not the simulation's)."""
+    with pytest.MonkeyPatch.context() as mp, warnings.catch_warnings():
+        warnings.simplefilter("ignore", RuntimeWarning)
+        result, state, received = _simulate(mp, secure_dp_task, {})
+    short = REFUSALS[NOISE_SHORT]
+    rejected = {(r, who): why for r, who, why in result.rejected}
+    assert sorted(rejected) == [(2, "client 0"), (2, "client 1"), (2, "client 2")]
+    assert rejected[(2, "client 0")] == rejected[(2, "client 2")] == short
+    assert ("partition 1: refused at the client before secure aggregation: message not finite"
+            in rejected[(2, "client 1")])
+    steps = np.asarray(result.history["step"])
+    assert np.all(steps[[0, 2]] > 0) and np.all(steps[1] <= 0)
+    assert len(_masked(received)) == 3 * ROUNDS - 1
+    assert bool(is_pd(state.q)) and bool(is_finite(state.q))
+    assert result.privacy["distributed"] == 3
+    assert result.privacy["worst_message_epsilon"] > result.privacy["worst_epsilon"] > 0

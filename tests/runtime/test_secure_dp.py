@@ -9,7 +9,8 @@ bound; with noise the server's q is exactly the product of what the clients kept
 in the sum); a total of fewer than ``t`` clients is refused whole, leaving the server's state as
 it was; the faults of ``tests/runtime/test_faults.py`` at the clients leave every server state
 proper; the accounting (the totals' epsilon as central DP-PVI's, one message's with multiplier
-``sigma / sqrt(t)``); what is refused, and float32.
+``sigma / sqrt(t)``); what is refused, and float32. On Flower's Simulation Engine through
+SecAgg+: ``test_flower_secure_pvi.py``.
 """
 
 from __future__ import annotations
@@ -240,46 +241,3 @@ def test_float32():
         bound = 2 * sum_error(SCALE, K, np.float32) + 1e-5 * largest
         assert 0 < _gap(secure.q, central.q) <= bound
 
-
-def secure_dp_task(run_config: dict):
-    """The distributed-noise run on Flower: three nodes, ``t = 3``; node 1's message NaN in
-    round 2."""
-    from functools import partial
-
-    from fedppl.runtime.faults import corrupt
-    from fedppl.runtime.task import Task
-
-    jax.config.update("jax_enable_x64", True)
-    clients = _clients()
-    nan = partial(corrupt, kind="nan")
-    three = clients.__class__.from_list([clients.client(k) for k in range(3)])
-    return Task(_pvi(1.0, 3), three.client, 3, ROUNDS, secure=SecureSum(SCALE),
-                fault=lambda k, r: nan if (k, r) == (1, 2) else None)
-
-
-def test_on_flower_a_total_short_of_noise_is_refused(one_ray_cluster):
-    """On the Simulation Engine through SecAgg+ (``t = 3`` of three nodes; node 1's message
-    NaN in round 2): node 1 withholds its message, naming the reason, and the total of the other
-    two carries two thirds of the assumed noise, so the server refuses it for both; rounds 1 and
-    3 are applied. The ServerApp received masked vectors only; the accounting is the
-    simulation's (the nodes' noise is their own: each folds a secret into its key, so the
-    posterior is not the simulation's)."""
-    pytest.importorskip("flwr", reason="the Flower tests need the flower extra: "
-                        "pip install 'fedppl[flower]'")
-    from .test_flower_secagg import _masked, _simulate
-
-    with pytest.MonkeyPatch.context() as mp, warnings.catch_warnings():
-        warnings.simplefilter("ignore", RuntimeWarning)
-        result, state, received = _simulate(mp, secure_dp_task, {})
-    short = pvi_algorithm.REFUSALS[pvi_algorithm.NOISE_SHORT]
-    rejected = {(r, who): why for r, who, why in result.rejected}
-    assert sorted(rejected) == [(2, "client 0"), (2, "client 1"), (2, "client 2")]
-    assert rejected[(2, "client 0")] == rejected[(2, "client 2")] == short
-    assert ("partition 1: refused at the client before secure aggregation: message not finite"
-            in rejected[(2, "client 1")])
-    steps = np.asarray(result.history["step"])
-    assert np.all(steps[[0, 2]] > 0) and np.all(steps[1] <= 0)
-    assert len(_masked(received)) == 3 * ROUNDS - 1
-    assert bool(g.is_pd(state.q)) and bool(g.is_finite(state.q))
-    assert result.privacy["distributed"] == 3
-    assert result.privacy["worst_message_epsilon"] > result.privacy["worst_epsilon"] > 0
