@@ -18,7 +18,17 @@ Engine runs in three forms:
 Memory per SuperNode is the resident memory of its processes (the SuperNode's and, with warm
 workers, its share of theirs) after the run. Writes ``benchmarks/results/flower_overhead.json``.
 
+``--profile`` (``deployment`` only; needs ``py-spy``) samples the SuperLink's process group
+(the SuperLink, Flower's SuperExec and the ServerApp), SuperNode 0 and worker 0 through the
+run at 50 Hz and splits each one's CPU by where its samples were: HTTP serving (uvicorn,
+Starlette, FastAPI, AnyIO), the HTTP client (httpx), serialisation (protobuf, Flower's
+message objects), Flower's own logic and state, fedppl, JAX, and samples taken while waiting;
+the split, scaled to each group's measured CPU seconds per round, goes to
+``benchmarks/results/flower_overhead_profile.json``.
+
     python benchmarks/flower_overhead.py [--clients 10 50] [--rounds 6] [--engines ...]
+    python benchmarks/flower_overhead.py --engines deployment --clients 10 50 --workers 10 5 \
+        --profile
 
 (run from the repository root: the deployment's processes import this module by name).
 """
@@ -29,6 +39,7 @@ import argparse
 import json
 import os
 import platform
+import sys
 import tempfile
 import time
 from pathlib import Path
@@ -106,8 +117,66 @@ def _usage(fed) -> dict[str, tuple[float, float]]:
     return out
 
 
+# where a sample's innermost recognised frame is: (layer, substrings of its file's path)
+LAYERS = (("JAX", ("/jax/", "/jaxlib/")),
+          ("serialisation", ("/google/protobuf/", "/flwr/common/serde", "/flwr/common/inflatable",
+                             "/flwr/supercore/inflatable/", "/flwr/proto/", "/flwr/common/record/",
+                             "/flwr/common/message")),
+          ("HTTP client", ("/httpx/", "/httpcore/")),
+          ("HTTP server", ("/uvicorn/", "/starlette/", "/fastapi/", "/anyio/", "/h11/",
+                           "/pydantic")),
+          ("fedppl", ("/fedppl/",)),
+          ("Flower", ("/flwr/",)))
+WAITS = ("wait", "sleep", "select", "poll", "acquire", "recv", "read", "get", "accept")
+
+
+def _layer(stack: list[str]) -> str:
+    """The layer a sample's CPU belongs to: ``waiting`` where its innermost frame is a wait (the
+    sampler saw the thread blocked in it), else that of its innermost recognised frame."""
+    leaf = stack[-1].split(" (", 1)[0].rsplit(".", 1)[-1]
+    if leaf.lower().startswith(WAITS) or leaf in ("_worker", "_bootstrap_inner"):
+        return "waiting"
+    for frame in reversed(stack):
+        path = "/" + frame.rsplit("(", 1)[-1]  # py-spy names files from site-packages down
+        for layer, parts in LAYERS:
+            if any(part in path for part in parts):
+                return layer
+    return "other Python"
+
+
+def _split(path: Path) -> dict[str, float]:
+    """py-spy's collapsed stacks at ``path`` as each layer's share of the samples that were not
+    waiting (a blocked thread spends no CPU), and ``waiting``: those samples' share of all."""
+    counts: dict[str, float] = {}
+    for line in path.read_text().splitlines():
+        stack, _, n = line.rpartition(" ")
+        frames = stack.split(";")[1:]  # the first is the process
+        if frames and n.isdigit():
+            layer = _layer(frames)
+            counts[layer] = counts.get(layer, 0) + int(n)
+    waiting = counts.pop("waiting", 0)
+    busy = sum(counts.values()) or 1
+    out = {k: v / busy for k, v in sorted(counts.items(), key=lambda kv: -kv[1])}
+    return {**out, "waiting": waiting / ((busy + waiting) or 1)}
+
+
+def _spies(fed, folder: str) -> list:
+    """py-spy recorders on the SuperLink's group, SuperNode 0 and worker 0 (whichever exist)."""
+    import shutil
+    import subprocess
+
+    spy = shutil.which("py-spy") or shutil.which("py-spy", path=os.path.dirname(sys.executable))
+    if spy is None:
+        raise ImportError("--profile needs py-spy (pip install py-spy)")
+    return [(name, subprocess.Popen(
+        [spy, "record", "-p", str(fed.procs[name].pid), "--subprocesses", "-r", "50", "-f",
+         "raw", "-o", os.path.join(folder, f"{name}.txt"), "--nonblocking"],
+        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL))
+        for name in ("superlink", "node-0", "worker-0") if name in fed.procs]
+
+
 def _deploy(engine: str, K: int, rounds: int, workers: int | None, cache: str,
-            schedule: str) -> dict:
+            schedule: str, profile: bool = False) -> dict:
     from fedppl.runtime.deployment import LocalDeployment
 
     options = {"deployment": {"node_poll": 0.05}, "deployment-warm-cache": {"node_poll": 0.05},
@@ -118,11 +187,20 @@ def _deploy(engine: str, K: int, rounds: int, workers: int | None, cache: str,
     with tempfile.TemporaryDirectory() as out, \
             LocalDeployment(K, jax_cache=cache, workers=workers, start_timeout=300,
                             **options.get(engine, {})) as fed:
+        spies = _spies(fed, out) if profile else []
         before = _usage(fed)
         fed.run(app, run_config={"task": "benchmarks.flower_overhead:task",
                                  "num-clients": K, "num-rounds": rounds,
                                  "schedule": schedule, "result-dir": out}, timeout=3600)
         after = _usage(fed)
+        import signal
+
+        for _, spy in spies:
+            spy.send_signal(signal.SIGINT)  # py-spy writes its file and exits
+        splits = {}
+        for name, spy in spies:
+            spy.wait(60)
+            splits[name] = _split(Path(out) / f"{name}.txt")
         with open(os.path.join(out, "result.json")) as f:
             history = json.load(f)["history"]
     row = _row(engine, K, history, time.perf_counter() - t0, schedule)
@@ -138,11 +216,19 @@ def _deploy(engine: str, K: int, rounds: int, workers: int | None, cache: str,
                memory_gib_per_supernode=nodes / K,
                workers=0 if engine == "deployment-subprocess" else workers or K,
                superlink_gib=rss.get("superlink", 0.0))
+    if profile:  # each group's CPU a round, split by the layers its samples were in
+        per = {"superlink": cpu("superlink"), "node-0": cpu("node-0"),
+               "worker-0": cpu("worker-0")}
+        row["cpu_breakdown_seconds_per_round"] = {
+            name: {layer: share * per[name] for layer, share in split.items()
+                   if layer != "waiting"} for name, split in splits.items()}
+        row["waiting_share_of_samples"] = {n: split["waiting"] for n, split in splits.items()}
+        row["superlink_cpu_ms_per_node_per_round"] = 1e3 * per["superlink"] / K
     return row
 
 
 def run(engine: str, K: int, rounds: int, workers: int | None = None,
-        cache: str | None = None, schedule: str = "synchronous") -> dict:
+        cache: str | None = None, schedule: str = "synchronous", profile: bool = False) -> dict:
     config = {"num-clients": K, "num-rounds": rounds, "schedule": schedule}
     t0 = time.perf_counter()
     if engine == "embedded":
@@ -160,7 +246,7 @@ def run(engine: str, K: int, rounds: int, workers: int | None = None,
                               f"need about {need:.0f} GiB; this machine has {have:.0f} GiB "
                               "(give --workers)")
         assert cache is not None
-        return _deploy(engine, K, rounds, workers, cache, schedule)
+        return _deploy(engine, K, rounds, workers, cache, schedule, profile)
     return _row(engine, K, result.history, time.perf_counter() - t0, schedule)
 
 
@@ -174,10 +260,14 @@ def main() -> None:
     p.add_argument("--repeats", type=int, default=1,
                    help="runs per engine and K; the row is the median over them")
     p.add_argument("--engines", nargs="+", default=list(ENGINES), choices=ENGINES)
-    p.add_argument("--out", type=Path, default=OUT,
-                   help="JSON path; rows of engines and sizes not run are kept from it")
+    p.add_argument("--out", type=Path, default=None,
+                   help="JSON path; rows of engines and sizes not run are kept from it "
+                   "(default results/flower_overhead.json, with --profile "
+                   "results/flower_overhead_profile.json)")
+    p.add_argument("--profile", action="store_true",
+                   help="sample the processes with py-spy and split their CPU by layer")
     args = p.parse_args()
-    out = args.out
+    out = args.out or (OUT.with_name("flower_overhead_profile.json") if args.profile else OUT)
     from _provenance import stamp  # benchmarks/ is on the path of the script, not of its nodes
     rows = []
     for i, K in enumerate(args.clients):
@@ -189,7 +279,8 @@ def main() -> None:
                 for _ in range(args.repeats):
                     if engine == "deployment":  # each repeat's first round from a cold cache
                         cache = tempfile.mkdtemp(prefix="fedppl-jax-cache-")
-                    runs.append(run(engine, K, args.rounds, workers, cache, args.schedule))
+                    runs.append(run(engine, K, args.rounds, workers, cache, args.schedule,
+                                    args.profile))
             except ImportError as err:
                 print(f"skipping {engine}: {err}")
                 continue
@@ -200,6 +291,8 @@ def main() -> None:
                 continue
             r = {k: (float(np.median([x[k] for x in runs])) if isinstance(v, float) else v)
                  for k, v in runs[0].items()}
+            if "cpu_breakdown_seconds_per_round" in r:
+                print(json.dumps(r["cpu_breakdown_seconds_per_round"], indent=1))
             r["repeats"] = args.repeats
             rows.append(r)
             print(f"{engine:>11} {args.schedule} K={K:<4} {r['seconds_per_round']:8.3f} s/round  "
