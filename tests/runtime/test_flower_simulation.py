@@ -100,12 +100,8 @@ def _flower_blr_clients():
     return fedppl.partition.homogeneous(X, y, 3, seed=0)
 
 
-def test_flower_default_sends_one_exchange_per_round(monkeypatch):
-    """On Flower's Simulation Engine, synchronous PVI with the default line search exchanges
-    with its nodes once a round (no ``evaluate`` exchange), and reaches the embedded runtime's
-    answer: with damping 0.5 and the closed-form step, ``q = p * prod_k t_k^(1 - 2^-R)`` after R
-    rounds, the exact posterior to 2^-R."""
-    pytest.importorskip("flwr")
+def _counted_exchanges(monkeypatch) -> list[str]:
+    """The message types of the Flower server's exchanges, appended as they happen."""
     from fedppl.runtime import flower
 
     exchanged: list[str] = []
@@ -116,6 +112,18 @@ def test_flower_default_sends_one_exchange_per_round(monkeypatch):
         return real(self, contents, message_type, *args, **kwargs)
 
     monkeypatch.setattr(flower._Server, "_exchange", counted)
+    return exchanged
+
+
+def test_flower_default_sends_one_exchange_per_round(monkeypatch):
+    """On Flower's Simulation Engine, synchronous PVI with the default line search exchanges
+    with its nodes once a round (no ``evaluate`` exchange), and reaches the embedded runtime's
+    answer: with damping 0.5 and the closed-form step, ``q = p * prod_k t_k^(1 - 2^-R)`` after R
+    rounds, the exact posterior to 2^-R."""
+    pytest.importorskip("flwr")
+    from fedppl.runtime import flower
+
+    exchanged = _counted_exchanges(monkeypatch)
     result = flower.FlowerApp(_flower_blr_task).simulate()
     assert exchanged.count("train") == FLOWER_ROUNDS and "evaluate" not in exchanged, exchanged
     assert result.history["exchanges"].tolist() == [1] * FLOWER_ROUNDS
@@ -161,14 +169,7 @@ def test_flower_adaptive_line_search_scores_the_flagged_rounds(monkeypatch):
     pytest.importorskip("flwr")
     from fedppl.runtime import flower
 
-    exchanged: list[str] = []
-    real = flower._Server._exchange
-
-    def counted(self, contents, message_type, *args, **kwargs):
-        exchanged.append(message_type)
-        return real(self, contents, message_type, *args, **kwargs)
-
-    monkeypatch.setattr(flower._Server, "_exchange", counted)
+    exchanged = _counted_exchanges(monkeypatch)
     result = flower.FlowerApp(_flower_sampled_task).simulate()
     scored = result.history["exchanges"] == 2
     assert 0 < scored.sum() < len(scored), result.history["exchanges"]
