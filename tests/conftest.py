@@ -164,6 +164,7 @@ SLOW_FILES = (
     "tests/infer/test_importance.py",
     "tests/test_audit.py",
     "tests/runtime/test_secure_pvi.py",
+    "tests/runtime/test_secure_dp.py",
     "tests/runtime/test_flower_secure_pvi.py",
     "tests/test_dp_statistics.py",
     "tests/infer/test_front.py",
