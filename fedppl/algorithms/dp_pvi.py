@@ -577,7 +577,7 @@ class VirtualPartiesSolver(NamedTuple):
         """The mechanism: each party's clipped change plus its share of the noise
         (``N(0, (noise_multiplier * clip)^2 / (parties * distributed))`` per entry)."""
         std = (0.0 if self.noise_multiplier == 0.0
-               else self.noise_multiplier * self.clip / math.sqrt(self.parties * self.share))
+               else self.noise_multiplier * self.clip / math.sqrt(self.parties * self._t))
         if self.distributed is not None:  # a party whose step failed changes nothing
             ok = jax.vmap(g.is_finite)(changes)
             changes = jax.tree_util.tree_map(
@@ -595,9 +595,9 @@ class VirtualPartiesSolver(NamedTuple):
         return 0.0 if self.distributed is None else 0.5
 
     @property
-    def share(self) -> int:
+    def _t(self) -> int:
         """How many clients' noise a total the server decodes carries at least (1: central)."""
-        return 1 if self.distributed is None else self.distributed
+        return self.distributed or 1
 
     def message(self, msg: Any) -> Any:
         """The client's message as it leaves: PVI's, or a :class:`NoisyMessage` stating its
@@ -605,7 +605,7 @@ class VirtualPartiesSolver(NamedTuple):
         if self.distributed is None:
             return msg
         return NoisyMessage(msg.delta, msg.free_energy, msg.cavity_repaired, msg.converged,
-                            msg.iterations, jnp.asarray(1.0 / self.share, msg.delta.nat1.dtype))
+                            msg.iterations, jnp.asarray(1.0 / self._t, msg.delta.nat1.dtype))
 
     def __call__(self, q_cavity, q, data, mask, rng_key, parties):
         k_fit, k_noise = jax.random.split(rng_key)

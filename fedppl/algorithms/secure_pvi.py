@@ -55,6 +55,8 @@ Example (one client's delta judged and clipped; a NaN one is withheld)::
 
 from __future__ import annotations
 
+from typing import Any
+
 import jax
 import jax.numpy as jnp
 from jax import Array
@@ -121,12 +123,19 @@ def summand(server: pvi.ServerState, msg: pvi.ClientMessage, max_norm: float,
     summand carries the delta, whether the cavity was repaired and, in ``converged``, whether
     the local step did *not* converge (so that a sum that arrives as a flag says whether any
     did not); the free energy and the iteration count are zeroed."""
-    verdict = judge(server.q, msg.delta, max_norm, max_divergence)
-    out = msg._replace(free_energy=jnp.zeros_like(msg.free_energy),
-                       converged=~jnp.asarray(msg.converged, bool),
-                       iterations=jnp.zeros_like(msg.iterations),
-                       **{name: _blank(getattr(msg, name), 0) for name in _extras(msg)})
-    return out, verdict
+    return _summed_diagnostics(msg, _extras(msg)), judge(server.q, msg.delta, max_norm,
+                                                         max_divergence)
+
+
+def _summed_diagnostics(msg: Any, blanked: tuple[str, ...]) -> Any:
+    """``msg`` (PVI's message or one with more fields: EP's, a NoisyMessage) as it enters a
+    sum: the free energy and iteration count zeroed, ``converged``
+    flipped (a summed flag then says whether any step did not converge), the fields
+    ``blanked`` zeroed (they stay at the client)."""
+    return msg._replace(free_energy=jnp.zeros_like(msg.free_energy),
+                        converged=~jnp.asarray(msg.converged, bool),
+                        iterations=jnp.zeros_like(msg.iterations),
+                        **{name: _blank(getattr(msg, name), 0) for name in blanked})
 
 
 def _extras(msg: tuple) -> tuple[str, ...]:
@@ -188,10 +197,7 @@ def noisy_summand(server: pvi.ServerState, msg: NoisyMessage, scale: float
     largest = jnp.max(jnp.stack([jnp.max(jnp.abs(x)) for x in leaves]))
     verdict = jnp.where(~finite, pvi.OWN_CHECK + pvi.NOT_FINITE,
                         jnp.where(largest <= scale, 1.0, pvi.OWN_CHECK + pvi.BEYOND_NORM))
-    out = msg._replace(free_energy=jnp.zeros_like(msg.free_energy),
-                       converged=~jnp.asarray(msg.converged, bool),
-                       iterations=jnp.zeros_like(msg.iterations))
-    return out, verdict
+    return _summed_diagnostics(msg, ()), verdict
 
 
 def noisy_total_check(server: pvi.ServerState, total: NoisyMessage, n: int | Array) -> Array:

@@ -147,13 +147,11 @@ def secure_form(method: Any, like: Any, secure: SecureSum | None = None) -> Secu
             raise ValueError("the secure form of DP-PVI's noisy messages needs the settings "
                              "(SecureSum: its scale)")
         return _noisy_form(float(secure.scale))
-    if adds_noise(method):
-        if getattr(getattr(method, "privacy", None), "distributed", None) is None:
-            raise ValueError(f"{name} with privacy= and secure aggregation together needs the "
-                             "noise distributed over the secure sum: "
-                             "DPVirtualParties(..., distributed=t)")
+    if adds_noise(method):  # central noise (DP-PVI's distributed noise is a NoisyMessage)
+        hint = ("DP-PVI's noise under secure aggregation is DPVirtualParties(..., distributed=t)"
+                if getattr(method, "privacy", None) is not None else "run one or the other")
         raise ValueError(f"{name} with privacy= and secure aggregation together is not "
-                         "supported: run one or the other")
+                         f"supported: {hint}")
     if isinstance(like, fsgp.Message):
         return SecureForm(fsgp.secure_summand, fsgp.secure_message,
                           "finite parameters, plausible statistics")
