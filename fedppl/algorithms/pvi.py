@@ -168,7 +168,7 @@ class _LocalSitesSolver(Protocol):
 
 class _PartiesSolver(Protocol):
     """A :class:`LocalSolver` that also takes a client's virtual parties' factors
-    (:class:`~fedppl.algorithms.dp_pvi.VirtualPartiesSolver`)."""
+    (:class:`~fedppl.algorithms.dp_mechanisms.VirtualPartiesSolver`)."""
 
     def __call__(self, q_cavity: g.Gaussian, q: g.Gaussian, data: tuple, mask: Array,
                  rng_key: Array, parties: g.Gaussian) -> LocalResult: ...
@@ -197,7 +197,7 @@ class VariationalSolver(NamedTuple):
     num_particles: int = 8
     tol: float = 1e-4
     # ``gradient(loss, q_cavity, data, mask) -> value_and_grad`` replaces the loss's exact
-    # gradient with a private one (:class:`fedppl.algorithms.dp_pvi.DPSGD`); its solve then
+    # gradient with a private one (:class:`fedppl.algorithms.dp_mechanisms.DPSGD`); its solve then
     # reports no data-dependent diagnostics (free energy NaN, converged True)
     gradient: Callable | None = None
 

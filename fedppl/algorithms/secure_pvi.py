@@ -26,7 +26,7 @@ PVI's server judges each delta before it multiplies it into ``q`` (:func:`fedppl
   already damped). A total that fails is refused for every client in the sum, and each keeps
   its factor; each client applies its own delta with the step it is sent.
 
-DP-PVI's messages with distributed noise (:class:`fedppl.algorithms.dp_pvi.NoisyMessage`,
+DP-PVI's messages with distributed noise (:class:`fedppl.algorithms.dp_mechanisms.NoisyMessage`,
 ``DPVirtualParties(distributed=t)``) take another path, as the total must stay linear in each
 client's noise: the client neither clips nor judges the plausibility of its noisy delta; it
 withholds it only if it is not finite or has an entry beyond the encoding's ``scale``
@@ -63,7 +63,7 @@ from jax import Array
 
 from fedppl import trees
 from fedppl.algorithms import pvi
-from fedppl.algorithms.dp_pvi import NoisyMessage
+from fedppl.algorithms.dp_mechanisms import NoisyMessage
 from fedppl.families import gaussian as g
 
 __all__ = ["norm", "judge", "clip", "prepare", "summand", "share", "judge_total", "CHECK",
@@ -186,9 +186,9 @@ def share(server: pvi.ServerState, total: pvi.ClientMessage, n: int | Array
 def noisy_summand(server: pvi.ServerState, msg: NoisyMessage, scale: float
                   ) -> tuple[NoisyMessage, Array]:
     """What a client adds into the secure sum for a message with distributed DP noise
-    (:class:`~fedppl.algorithms.dp_pvi.NoisyMessage`) and its verdict: the delta as it is (not
-    clipped, and not judged by the server's plausibility rules, so that the total stays linear
-    in the client's noise) with its noise share; withheld only if it is not finite
+    (:class:`~fedppl.algorithms.dp_mechanisms.NoisyMessage`) and its verdict: the delta as it
+    is (not clipped, and not judged by the server's plausibility rules, so that the total stays
+    linear in the client's noise) with its noise share; withheld only if it is not finite
     (:data:`~fedppl.algorithms.pvi.OWN_CHECK` plus ``NOT_FINITE``) or has an entry beyond
     ``scale``, which the encoding cannot carry (plus ``BEYOND_NORM``). The diagnostics are
     summed as :func:`summand` sums them."""

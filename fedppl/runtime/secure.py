@@ -138,11 +138,11 @@ def secure_form(method: Any, like: Any, secure: SecureSum | None = None) -> Secu
     ``secure``; a ``ValueError`` says why a method has none: its server needs each client's
     message, not only their sum. ``method`` None: the simulation's, which sees only the
     trio (a FedBNR run, whose settings decide, is refused there)."""
-    from fedppl.algorithms import dp_pvi, ep, fedbnr, fsgp, pvi
+    from fedppl.algorithms import dp_mechanisms, ep, fedbnr, fsgp, pvi
     from fedppl.algorithms import importance as imp
 
     name = getattr(method, "name", type(method).__name__)
-    if isinstance(like, dp_pvi.NoisyMessage):  # DP-PVI's distributed noise
+    if isinstance(like, dp_mechanisms.NoisyMessage):  # DP-PVI's distributed noise
         if secure is None:
             raise ValueError("the secure form of DP-PVI's noisy messages needs the settings "
                              "(SecureSum: its scale)")
@@ -315,7 +315,7 @@ def _secure_round(trio: Trio, secure: SecureSum) -> Callable:
     """One compiled round of the simulated protocol; its last arguments are the fault plan (codes
     over :data:`~fedppl.runtime.faults.ALL_KINDS`) and whether a faulty client skips its
     check (one program for every fault setting)."""
-    from fedppl.algorithms import dp_pvi, pvi
+    from fedppl.algorithms import dp_mechanisms, pvi
     from fedppl.algorithms import importance as imp
 
     scale = float(secure.scale)
@@ -337,7 +337,7 @@ def _secure_round(trio: Trio, secure: SecureSum) -> Callable:
             raise ValueError("the simulation of secure aggregation runs synchronous PVI; FSGP "
                              "and FedBNR run it on Flower (Task.secure)")
         if (getattr(cstates, "parties", None) is not None
-                and not isinstance(msgs, dp_pvi.NoisyMessage)):
+                and not isinstance(msgs, dp_mechanisms.NoisyMessage)):
             raise ValueError("PVI with DPVirtualParties and secure aggregation together needs "
                              "the noise distributed over the secure sum (the parties' factors "
                              "would not follow a clipped delta): DPVirtualParties(..., "

@@ -16,7 +16,7 @@ import pytest
 
 import fedppl
 from fedppl import accounting
-from fedppl.algorithms.dp_pvi import (
+from fedppl.algorithms.dp_mechanisms import (
     DPSGD,
     LocalAveragingSolver,
     VirtualPartiesSolver,

@@ -28,7 +28,7 @@ import pytest
 import fedppl
 from fedppl import accounting
 from fedppl.algorithms import pvi as pvi_algorithm
-from fedppl.algorithms.dp_pvi import VirtualPartiesSolver
+from fedppl.algorithms.dp_mechanisms import VirtualPartiesSolver
 from fedppl.families import gaussian as g
 from fedppl.models import linear_regression
 from fedppl.runtime.faults import KINDS, Faults
