@@ -70,7 +70,7 @@ from fedppl.clients import Clients
 
 try:
     os.environ.setdefault("FLWR_TELEMETRY_ENABLED", "0")
-    from flwr.app import ConfigRecord, Context, Message, RecordDict
+    from flwr.app import Context, Message, RecordDict
     from flwr.clientapp import ClientApp
     from flwr.serverapp import Grid, ServerApp
 except ImportError as err:  # pragma: no cover - the extra is installed by make test
@@ -79,6 +79,8 @@ except ImportError as err:  # pragma: no cover - the extra is installed by make 
 from fedppl.runtime.embedded import ClientMap, Runtime, host_map, make_round
 from fedppl.runtime.flower_node import Node, secure_request
 from fedppl.runtime.flower_wire import (
+    content,
+    fields,
     flower_log,
     is_key,
     pack,
@@ -266,10 +268,10 @@ class _Server:
     def _exchange(self, contents: dict[int, RecordDict], message_type: str,
                   timeout: float | None) -> dict[int, RecordDict | str]:
         out = []
-        for k, content in contents.items():
-            out.append(Message(content, dst_node_id=self.node_of[k], message_type=message_type,
+        for k, c in contents.items():
+            out.append(Message(c, dst_node_id=self.node_of[k], message_type=message_type,
                                group_id=str(self.round)))
-            self.traffic[[1, 3]] += (1, record_bytes(content))
+            self.traffic[[1, 3]] += (1, record_bytes(c))
         by_node = {v: k for k, v in self.node_of.items()}
         answers: dict[int, RecordDict | str] = {}
         for m in send_and_receive(self.grid, out, timeout):
@@ -298,7 +300,7 @@ class _Server:
             time.sleep(0.2)
         self.node_of = dict(enumerate(nodes))  # until each says which partition it holds
         held: dict[int, tuple[int, dict]] = {}
-        x64 = RecordDict({"meta": ConfigRecord({"x64": bool(jax.config.read("jax_enable_x64"))})})
+        x64 = content({"x64": bool(jax.config.read("jax_enable_x64"))})
         for k, a in self._exchange({k: x64 for k in self.node_of}, "query.setup",
                                    120.0).items():
             if isinstance(a, str):
@@ -412,8 +414,7 @@ class _Server:
     def _start(self, clients: Any, rows: int) -> None:
         """The second set-up exchange: each node's initial state (the node builds and compiles
         its step here, outside any round's timeout)."""
-        contents = {k: RecordDict({"init": pack(index(clients, k)),
-                                   "init.meta": ConfigRecord({"index": k, "rows": rows})})
+        contents = {k: content({"index": k, "rows": rows}, init=index(clients, k))
                     for k in self.node_of}
         for k, a in self._exchange(contents, "query.setup", 600.0).items():
             if isinstance(a, str):
@@ -422,12 +423,10 @@ class _Server:
     def _train(self, server: Any, keys: dict[int, Any], like: Any) -> dict[int, Any]:
         """One ``train`` exchange with the clients ``keys`` names (each sent its key): the
         messages that arrived and passed the checks (``Task.secure``: :meth:`_secure_train`)."""
-        contents = {}
-        for k in sorted(keys):
-            content = self._replies(k)
-            content["server"], content["key"] = pack(server), pack(keys[k])
-            content.config_records["meta"]["round"] = int(self.round)
-            contents[k] = content
+        broadcast = pack(server)  # the same bytes to every node
+        contents = {k: content({**self._replies(k), "round": int(self.round),
+                                "server": broadcast, "key": pack(keys[k])})
+                    for k in sorted(keys)}
         if self.task.secure is not None:
             return self._secure_train(server, contents, like)
         msgs = {}
@@ -437,7 +436,7 @@ class _Server:
             try:
                 if isinstance(a, str):
                     raise ValueError(a)
-                msgs[k] = unpack(a.array_records["message"], like, self._who(k))
+                msgs[k] = unpack(fields(a, self._who(k)).get("message"), like, self._who(k))
             except (ValueError, KeyError) as err:
                 self.faults.append((self.round, self.names[k], str(err)))
         return msgs
@@ -495,9 +494,10 @@ class _Server:
                                  *_one_shape((proposed, data, masks)))
 
             def exchange(candidate):
-                got = self._secure_sum({k: request(RecordDict({
-                    "candidate": pack(candidate), "meta": ConfigRecord({"round": self.round})}),
-                    self.task.secure, "evaluate") for k in range(K)}, one)
+                got = self._secure_sum({k: request(content({"round": self.round},
+                                                           candidate=candidate),
+                                                   self.task.secure, "evaluate")
+                                        for k in range(K)}, one)
                 covered = sorted(got)
                 missed = jax.tree_util.tree_map(  # as an evaluation a client missed
                     lambda s: np.full(s.shape, np.nan if s.dtype.kind == "f" else 0, s.dtype), one)
@@ -511,15 +511,13 @@ class _Server:
 
         return evaluate
 
-    def _replies(self, k: int) -> RecordDict:
-        """The server's replies to client k's messages that it has not confirmed: it applies
-        the one to the message it last sent (a node that failed mid-round may still hold an
-        older one) and drops the others."""
-        rounds = [r for r, _ in self.pending.get(k, [])]
-        content = RecordDict({"meta": ConfigRecord({"reply_rounds": rounds})})
-        for r, reply in self.pending.get(k, []):
-            content[f"reply.{r}"] = pack(reply)
-        return content
+    def _replies(self, k: int) -> dict[str, Any]:
+        """The server's replies to client k's messages that it has not confirmed (fields of a
+        message's record): it applies the one to the message it last sent (a node that failed
+        mid-round may still hold an older one) and drops the others."""
+        pending = self.pending.get(k, [])
+        return {"reply_rounds": [r for r, _ in pending],
+                **{f"reply.{r}": pack(reply) for r, reply in pending}}
 
     def _evaluator(self, trio: Any, proposed: Any, data: Any, masks: Any) -> Callable | None:
         """``evaluate(candidate) -> (K, ...)`` by an ``evaluate`` exchange (a host callback
@@ -541,17 +539,16 @@ class _Server:
                          if np.ndim(jax.tree_util.tree_leaves(candidate)[0]) > ndim else None)
                 want = one if batch is None else jax.tree_util.tree_map(
                     lambda s: jax.ShapeDtypeStruct((batch, *s.shape), s.dtype), one)
-                answers = self._exchange({k: RecordDict({"candidate": pack(candidate)})
-                                          for k in range(K)}, "evaluate",
-                                         self.task.round_timeout)
+                answers = self._exchange({k: content(candidate=candidate) for k in range(K)},
+                                         "evaluate", self.task.round_timeout)
                 rows = []
                 for k in range(K):
                     try:
                         a = answers[k]
                         if isinstance(a, str):
                             raise ValueError(a)
-                        rows.append(unpack(a.array_records["value"], want, self._who(k),
-                                           "evaluation"))
+                        rows.append(unpack(fields(a, self._who(k)).get("value"), want,
+                                           self._who(k), "evaluation"))
                     except (ValueError, KeyError) as err:
                         self.faults.append((self.round, self.names[k], str(err)))
                         rows.append(jax.tree_util.tree_map(
@@ -567,7 +564,7 @@ class _Server:
 
     def _finish(self) -> None:
         """Send every node the reply to its last message, so that its state is final."""
-        contents = {k: self._replies(k) for k in sorted(self.pending)}
+        contents = {k: content(self._replies(k)) for k in sorted(self.pending)}
         self.pending.clear()
         if contents:
             wait = self.task.round_timeout or 60.0

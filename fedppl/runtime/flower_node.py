@@ -26,7 +26,16 @@ except ImportError as err:  # pragma: no cover - the extra is installed by make 
                       ) from err
 
 from fedppl.runtime.embedded import Runtime
-from fedppl.runtime.flower_wire import pack, shapes, unflatten, unpack
+from fedppl.runtime.flower_wire import (
+    RECORD,
+    arrays,
+    content,
+    fields,
+    pack,
+    shapes,
+    unflatten,
+    unpack,
+)
 from fedppl.runtime.secagg import requested, summand_content
 from fedppl.runtime.secure import SecureForm as SecureForm  # where it was defined before
 from fedppl.runtime.secure import adds_noise, refusal, secure_form
@@ -78,8 +87,9 @@ class Node:
         # the server's precision, before this process makes any array (a deployment may start
         # a fresh process for every message)
         x64 = self._meta().get("x64")
-        if content is not None and "meta" in content.config_records:
-            x64 = content.config_records["meta"].get("x64", x64)
+        sent: Mapping[str, Any] = ({} if content is None
+                                   else content.config_records.get(RECORD, {}))
+        x64 = sent.get("x64", x64)
         if x64 is not None:
             jax.config.update("jax_enable_x64", bool(x64))
         cache = context.node_config.get("jax-cache-dir")
@@ -87,8 +97,8 @@ class Node:
             use_compilation_cache(str(cache))
         self.task = app.task_for(dict(context.run_config))
         self.partition = int(context.node_config.get("partition-id", 0))
-        if content is not None and "init" in content.array_records:
-            self._start(content)
+        if "init" in sent:
+            self._start(sent)
 
     def _arrays(self) -> tuple:
         return tuple(np.asarray(a) for a in self.task.load_partition(self.partition))
@@ -163,18 +173,25 @@ class Node:
         return dict(state["fedppl.meta"]) if "fedppl.meta" in state.config_records else {}
 
     def _save(self, client: Any, meta: dict) -> None:
-        self.context.state["fedppl.client"] = pack(client)
+        self._keep("fedppl.client", client)
         self.context.state["fedppl.meta"] = ConfigRecord(meta)
 
+    def _keep(self, name: str, tree: Any) -> None:
+        self.context.state[name] = ConfigRecord({"tree": pack(tree)})
+
+    def _kept(self, name: str) -> bytes:
+        return cast(bytes, self.context.state.config_records[name]["tree"])
+
     def _held(self, name: str, built: _Built) -> Any:
-        return unpack(self.context.state[name], built.client, "this node", "state")
+        return unpack(self._kept(name), built.client, "this node", "state")
 
     def setup(self, msg: Message) -> Message:
         """Describe this node's data (shapes, not values) and keep the server's precision; or
         (the second exchange) take its initial state (done in ``__init__``)."""
-        if "init" in msg.content.array_records:
-            return Message(RecordDict({"ok": ConfigRecord({"ok": True})}), reply_to=msg)
-        x64 = bool(msg.content.config_records["meta"]["x64"])
+        sent = fields(msg.content, "the server")
+        if "init" in sent:
+            return Message(content({"ok": True}), reply_to=msg)
+        x64 = bool(sent["x64"])
         self.context.state["fedppl.meta"] = ConfigRecord({"x64": x64})
         arrays = self._arrays()
         info = ConfigRecord({
@@ -184,15 +201,14 @@ class Node:
             "dtypes": [str(a.dtype) for a in arrays]})
         return Message(RecordDict({"setup": info}), reply_to=msg)
 
-    def _start(self, content: RecordDict) -> None:
+    def _start(self, sent: Mapping[str, Any]) -> None:
         """This node's initial state, with the first message after the set-up: computed here,
         as the method's set-up computes client ``index``'s from its own data (such as inducing
         inputs drawn from its rows), with a stand-in (every value 1) in the other clients'
         places; the server's record of it, made on a stand-in, is only checked for shapes."""
-        meta = dict(content.config_records["init.meta"])
-        k, rows = int(cast(int, meta["index"])), int(cast(int, meta["rows"]))
+        k, rows = int(cast(int, sent["index"])), int(cast(int, sent["rows"]))
         built = self._built(rows)
-        unpack(content.array_records["init"], built.client, "the server", "client state")
+        unpack(sent["init"], built.client, "the server", "client state")
         own = self._arrays()
         data = [tuple(np.ones((rows, *a.shape[1:]), a.dtype) for a in own)
                 for _ in range(self.task.num_clients)]
@@ -200,35 +216,35 @@ class Node:
         client = index(self._set_up(Clients.from_list(data))["clients"], k)
         self._save(client, {**self._meta(), "index": k, "rows": rows, "pending": -1})
 
-    def _acknowledge(self, built: _Built, content: RecordDict, meta: dict) -> Any:
+    def _acknowledge(self, built: _Built, sent: Mapping[str, Any], meta: dict) -> Any:
         """This node's state after the server's reply to its pending message (if the server sent
         it; the server's reply to a message that arrived late is its reply to a message it did
         not receive, so the state stays as it was)."""
         client = self._held("fedppl.client", built)
         pending = int(meta["pending"])
-        rounds = list(cast(list, content.config_records["meta"].get("reply_rounds", [])))
+        rounds = list(cast(list, sent.get("reply_rounds", [])))
         if pending >= 0 and pending in rounds:
-            msg = unflatten(self.context.state["fedppl.message"], built.message)
-            reply = unflatten(content.array_records[f"reply.{pending}"], built.reply)
+            msg = unflatten(self._kept("fedppl.message"), built.message)
+            reply = unflatten(sent[f"reply.{pending}"], built.reply)
             client = built.acknowledge(client, msg, reply, self._held("fedppl.proposed", built))
             meta["pending"] = -1
         return client
 
     def train(self, msg: Message) -> Message:
-        content = msg.content
-        secure = secure_request(self, content)
+        secure = secure_request(self, msg.content)
         if secure is not None and secure["exchange"] == "evaluate":
             return _secure_evaluation(self, msg, float(secure["scale"]))
+        asked = fields(msg.content, "the server")
         meta = self._meta()
         built = self._built(int(meta["rows"]))
-        client = self._acknowledge(built, content, meta)
-        server = unflatten(content["server"], built.server)
-        key = unpack(content["key"], jax.random.key(0), "the server", "key")
+        client = self._acknowledge(built, asked, meta)
+        server = unflatten(asked["server"], built.server)
+        key = unpack(asked["key"], jax.random.key(0), "the server", "key")
         if adds_noise(self.task.method):  # noise the server cannot regenerate from its key
             if "secret" not in meta:
                 meta["secret"] = secrets.randbits(31)
             key = jax.random.fold_in(key, int(meta["secret"]))
-        rnd = int(cast(int, content.config_records["meta"]["round"]))
+        rnd = int(cast(int, asked["round"]))
         fault = None if self.task.fault is None else self.task.fault(self.partition, rnd)
         if fault == "crash":
             raise RuntimeError(f"fault injected: partition {self.partition} fails in round {rnd}")
@@ -236,8 +252,8 @@ class Node:
                                                 jnp.asarray(int(meta["index"])))
         if secure is not None:  # what it keeps is what it sends (PVI: clipped)
             message = _secure_prepared(self, server, message)
-        self.context.state["fedppl.message"] = pack(message)
-        self.context.state["fedppl.proposed"] = pack(proposed)
+        self._keep("fedppl.message", message)
+        self._keep("fedppl.proposed", proposed)
         meta["pending"] = rnd
         self._save(client, meta)
         sent: Any = message
@@ -255,7 +271,7 @@ class Node:
             return Message(summand_content(sent, float(secure["scale"]),
                                            f"partition {self.partition}"),
                            reply_to=msg)
-        return Message(RecordDict({"message": pack(sent)}), reply_to=msg)
+        return Message(content(message=sent), reply_to=msg)
 
     def evaluate(self, msg: Message) -> Message:
         meta = self._meta()
@@ -263,24 +279,24 @@ class Node:
         if built.evaluate is None:
             raise ValueError("this method has no evaluation exchange")
         held = "fedppl.proposed" if int(meta["pending"]) >= 0 else "fedppl.client"
-        record = msg.content.array_records["candidate"]
+        data = fields(msg.content, "the server")["candidate"]
         like = built.candidate
-        batched = (len(record) > 0 and np.ndim(record.to_numpy_ndarrays()[0])
-                   > len(jax.tree_util.tree_leaves(like)[0].shape))
-        candidate = unflatten(record, like)
+        first = arrays(data, "the server")[:1]
+        batched = bool(first) and first[0].ndim > len(jax.tree_util.tree_leaves(like)[0].shape)
+        candidate = unflatten(data, like)
         client = self._held(held, built)
         if batched:  # several candidates at once (the server's batched line search)
             value = jax.vmap(built.evaluate, (0, None, None, None))(candidate, client,
                                                                    built.data, built.mask)
         else:
             value = built.evaluate(candidate, client, built.data, built.mask)
-        return Message(RecordDict({"value": pack(value)}), reply_to=msg)
+        return Message(content(value=value), reply_to=msg)
 
     def finish(self, msg: Message) -> Message:
         meta = self._meta()
         built = self._built(int(meta["rows"]))
-        self._save(self._acknowledge(built, msg.content, meta), meta)
-        return Message(RecordDict({"ok": ConfigRecord({"ok": True})}), reply_to=msg)
+        self._save(self._acknowledge(built, fields(msg.content, "the server"), meta), meta)
+        return Message(content({"ok": True}), reply_to=msg)
 
 
 def use_compilation_cache(path: str | os.PathLike) -> None:
@@ -341,5 +357,5 @@ def secure_request(node: Node, content: RecordDict) -> dict[str, Any] | None:
 def _secure_evaluation(node: Node, msg: Message, scale: float) -> Message:
     """An evaluation exchange through SecAgg+: the node's value (its statistics under the
     candidate, FedBNR's) enters the sum, after the server's check of it (finite)."""
-    value = node.evaluate(msg).content.array_records["value"].to_numpy_ndarrays()
+    value = arrays(fields(node.evaluate(msg).content)["value"])
     return Message(summand_content(value, scale, f"partition {node.partition}"), reply_to=msg)

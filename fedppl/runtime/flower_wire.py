@@ -1,16 +1,24 @@
-"""Pytrees on Flower's wire: a message's leaves as an ``ArrayRecord`` and back, with the checks a
-server or node makes on what a peer sent (:mod:`fedppl.runtime.flower`'s encoding); and the
-transport around it (replies pulled often, Flower's log filtered)."""
+"""Pytrees on Flower's wire: each of a message's trees as one ``bytes`` value (its leaves' dtypes
+and shapes, then their data), all of them with the message's settings in one ``ConfigRecord``;
+the checks a server or node makes on what a peer sent (:mod:`fedppl.runtime.flower`'s
+encoding); and the transport around it (replies pulled often, Flower's log filtered).
+
+Flower stores and sends a message as a tree of objects (the message, its ``RecordDict``, each
+record, each array of an ``ArrayRecord`` and each array's chunks), each pushed and pulled in a
+request of its own through the SuperLink; a message as one record is three objects, whatever
+its trees. With an ``ArrayRecord`` per tree, a PVI run at K = 10 cost the SuperLink 36 object
+requests per message; as one record, 13 (``benchmarks/flower_overhead.py`` counts them)."""
 
 from __future__ import annotations
 
 import contextlib
 import functools
+import json
 import logging
 import os
 import sys
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
 from typing import Any
 
 import jax
@@ -19,32 +27,72 @@ import numpy as np
 
 try:
     os.environ.setdefault("FLWR_TELEMETRY_ENABLED", "0")
-    from flwr.app import ArrayRecord, RecordDict
+    from flwr.app import ConfigRecord, RecordDict
 except ImportError as err:  # pragma: no cover - the extra is installed by make test
     raise ImportError("fedppl.runtime.flower_wire needs Flower: pip install 'fedppl[flower]'"
                       ) from err
 
-__all__ = ["pack", "unpack"]
+__all__ = ["pack", "unpack", "content", "fields", "RECORD"]
+
+#: The record of a fedppl message's content: its trees (``bytes``) and settings.
+RECORD = "fedppl"
+_KINDS = "biufc"  # the dtypes a peer may send: booleans and numbers
 
 
-def pack(tree: Any) -> ArrayRecord:
-    """A pytree's leaves as an ``ArrayRecord`` (keys ``"0"``, ``"1"``...; PRNG keys as their data).
+def pack(tree: Any) -> bytes:
+    """A pytree's leaves as bytes: a header (each leaf's dtype and shape) and their data, in
+    order (PRNG keys as their key data).
 
     >>> import jax.numpy as jnp
-    >>> record = pack({"a": jnp.ones(2), "b": jnp.zeros((1, 3))})
-    >>> [a.shape for a in record.to_numpy_ndarrays()]
+    >>> data = pack({"a": jnp.ones(2), "b": jnp.zeros((1, 3))})
+    >>> [a.shape for a in arrays(data)]
     [(2,), (1, 3)]
     """
-    return ArrayRecord([np.asarray(jax.random.key_data(x) if is_key(x) else x)
-                        for x in jax.tree_util.tree_leaves(tree)])
+    leaves = [np.asarray(jax.random.key_data(x) if is_key(x) else x)
+              for x in jax.tree_util.tree_leaves(tree)]
+    header = json.dumps([[a.dtype.str, list(a.shape)] for a in leaves]).encode()
+    return b"".join([len(header).to_bytes(4, "little"), header, *(a.tobytes() for a in leaves)])
 
 
-def unpack(record: Any, like: Any, who: str = "a peer", what: str = "message") -> Any:
-    """The pytree shaped as ``like`` (arrays or ``jax.ShapeDtypeStruct``) from ``record``, after
-    checking the number of leaves and each leaf's shape and dtype: a ``ValueError`` names ``who``
-    and the first mismatch."""
+def arrays(data: Any, who: str = "a peer", what: str = "message") -> list[np.ndarray]:
+    """The arrays :func:`pack` wrote into ``data``; a ``ValueError`` names ``who`` when they
+    are not that (a header that does not parse, a dtype that is not a number, a length that
+    does not match)."""
+    if not isinstance(data, bytes):
+        raise ValueError(f"{who} sent a {what} that is not bytes ({type(data).__name__})")
+    try:
+        n = int.from_bytes(data[:4], "little")
+        header = json.loads(data[4:4 + n].decode())
+        specs = [(np.dtype(str(t)), tuple(int(d) for d in shape)) for t, shape in header]
+    except (ValueError, TypeError, UnicodeDecodeError) as err:
+        raise ValueError(f"{who} sent a {what} whose header does not parse: {err}") from None
+    out, at = [], 4 + n
+    for i, (dtype, shape) in enumerate(specs):
+        size = dtype.itemsize * int(np.prod(shape, dtype=np.int64))
+        if dtype.kind not in _KINDS or min(shape, default=0) < 0 or at + size > len(data):
+            raise ValueError(f"{who} sent a {what} whose array {i} ({dtype}, {shape}) is not "
+                             "a number array that fits the message")
+        out.append(np.frombuffer(data, dtype, int(np.prod(shape, dtype=np.int64)),
+                                 at).reshape(shape))
+        at += size
+    if at != len(data):
+        raise ValueError(f"{who} sent a {what} of {len(data)} bytes, its arrays take {at}")
+    return out
+
+
+def unpack(data: Any, like: Any, who: str = "a peer", what: str = "message") -> Any:
+    """The pytree shaped as ``like`` (arrays or ``jax.ShapeDtypeStruct``) from ``data``
+    (:func:`pack`'s), after checking the number of leaves and each leaf's shape and dtype: a
+    ``ValueError`` names ``who`` and the first mismatch.
+
+    >>> import jax.numpy as jnp
+    >>> unpack(pack({"a": jnp.ones(2)}), {"a": jnp.ones(2), "b": jnp.ones(1)}, "client 4")
+    Traceback (most recent call last):
+    ...
+    ValueError: client 4 sent a message with 1 arrays, expected 2
+    """
     leaves, treedef = jax.tree_util.tree_flatten(like)
-    got = record.to_numpy_ndarrays()
+    got = arrays(data, who, what)
     if len(got) != len(leaves):
         raise ValueError(f"{who} sent a {what} with {len(got)} arrays, expected {len(leaves)}")
     out = []
@@ -71,11 +119,11 @@ def shapes(tree: Any) -> Any:
     return jax.tree_util.tree_map(lambda x: jax.ShapeDtypeStruct(jnp.shape(x), x.dtype), tree)
 
 
-def unflatten(record: Any, like: Any) -> Any:
+def unflatten(data: Any, like: Any) -> Any:
     """A pytree the server sent, structured as ``like`` (trusted: the structure is the method's
     own; shapes are not checked, as some depend on the number of clients)."""
     leaves, treedef = jax.tree_util.tree_flatten(like)
-    got = record.to_numpy_ndarrays()
+    got = arrays(data, "the server")
     if len(got) != len(leaves):
         raise ValueError(f"the server sent {len(got)} arrays, expected {len(leaves)}")
     return jax.tree_util.tree_unflatten(treedef, [
@@ -83,10 +131,28 @@ def unflatten(record: Any, like: Any) -> Any:
         for a, w in zip(got, leaves, strict=True)])
 
 
+def content(values: Mapping[str, Any] | None = None, **trees: Any) -> RecordDict:
+    """A message's content: one ``ConfigRecord`` (:data:`RECORD`) with the settings ``values``
+    (numbers, strings, lists of them) and each of ``trees`` packed (:func:`pack`)."""
+    return RecordDict({RECORD: ConfigRecord({**dict(values or {}),
+                                             **{k: pack(t) for k, t in trees.items()}})})
+
+
+def fields(content: RecordDict, who: str = "a peer") -> ConfigRecord:
+    """The record :func:`content` wrote (a ``ValueError`` names ``who`` when there is none)."""
+    if RECORD not in content.config_records:
+        raise ValueError(f"{who} sent a message without fedppl's record")
+    return content.config_records[RECORD]
+
+
 def record_bytes(content: RecordDict) -> int:
-    """Bytes of the arrays in a Flower message's content."""
-    return int(sum(a.numpy().nbytes for rec in content.array_records.values()
-                   for a in rec.values()))
+    """Bytes of a Flower message's content: its arrays, and the bytes in its config records
+    (fedppl's trees travel there, as SecAgg+'s keys, shares and masked vectors do)."""
+    arrays_ = sum(a.numpy().nbytes for rec in content.array_records.values()
+                  for a in rec.values())
+    raw = sum(len(b) for rec in content.config_records.values() for v in rec.values()
+              for b in (v if isinstance(v, list) else [v]) if isinstance(b, bytes))
+    return int(arrays_ + raw)
 
 
 # -- the transport -------------------------------------------------------------------------------

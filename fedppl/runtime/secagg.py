@@ -70,7 +70,7 @@ try:
 except ImportError as err:  # pragma: no cover - depends on the environment
     raise ImportError("fedppl.runtime.secagg needs Flower: pip install 'fedppl[flower]'") from err
 
-from fedppl.runtime.flower_wire import flower_log
+from fedppl.runtime.flower_wire import flower_log, record_bytes
 from fedppl.runtime.secure import SecureSum
 
 __all__ = ["SecureSum", "Summed", "SumTask", "secure_sum", "secure_sum_apps", "secure_exchange",
@@ -285,7 +285,7 @@ class _Watched:
 
     def send_and_receive(self, messages, *, timeout: float | None = None) -> list[Message]:
         messages = list(messages)
-        self.traffic[[1, 3]] += (len(messages), sum(_bytes(m.content) for m in messages))
+        self.traffic[[1, 3]] += (len(messages), sum(record_bytes(m.content) for m in messages))
         replies = []
         for m in self.send(messages, timeout):
             nid = m.metadata.src_node_id
@@ -293,7 +293,7 @@ class _Watched:
                 lines = [ln for ln in str(m.error.reason).splitlines() if ln.strip()]
                 self.errors.setdefault(nid, f"the node failed: {(lines or ['?'])[-1][-300:]}")
             else:
-                self.traffic[[0, 2]] += (1, _bytes(m.content))
+                self.traffic[[0, 2]] += (1, record_bytes(m.content))
                 wrong = self._wrong_shape(m.content)
                 if wrong:
                     self.errors.setdefault(nid, wrong)
@@ -316,16 +316,6 @@ class _Watched:
         if shapes != want:
             return f"sent a masked vector of shapes {shapes}, expected {want}"
         return None
-
-
-def _bytes(content: RecordDict) -> int:
-    """Bytes of a message's arrays and of the bytes in its config records (SecAgg+'s keys,
-    shares and masked vectors travel there)."""
-    arrays = sum(a.numpy().nbytes for rec in content.array_records.values()
-                 for a in rec.values())
-    raw = sum(len(b) for rec in content.config_records.values() for v in rec.values()
-              for b in (v if isinstance(v, list) else [v]) if isinstance(b, bytes))
-    return int(arrays + raw)
 
 
 # -- one sum over the nodes' statistics ------------------------------------------------------

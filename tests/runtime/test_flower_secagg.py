@@ -26,6 +26,7 @@ from fedppl.algorithms import exact, fedbnr, fsgp
 from fedppl.runtime import flower
 from fedppl.runtime.flower import FlowerApp
 from fedppl.runtime.flower_node import secure_form
+from fedppl.runtime.flower_wire import RECORD
 from fedppl.runtime.secagg import QUANTIZATION, error_bound
 
 from . import flower_tasks
@@ -75,6 +76,8 @@ def _masked(received: list) -> list[np.ndarray]:
     for content in received:
         assert all(len(rec) == 0 for rec in content.array_records.values()), \
             list(content.array_records)
+        trees = content.config_records.get(RECORD, {})  # fedppl's own trees travel as bytes
+        assert not any(isinstance(v, bytes) for v in trees.values()), list(trees)
     return [bytes_to_ndarray(c.config_records[RECORD_KEY_CONFIGS][Key.MASKED_PARAMETERS][1])
             for c in received if RECORD_KEY_CONFIGS in c.config_records
             and Key.MASKED_PARAMETERS in c.config_records[RECORD_KEY_CONFIGS]]

@@ -15,8 +15,11 @@ import pytest
 pytest.importorskip("flwr", reason="the Flower tests need the flower extra: "
                     "pip install 'fedppl[flower]'")
 
+from flwr.app import RecordDict
+
 from fedppl.runtime.faults import corrupt
 from fedppl.runtime.flower import FlowerApp, FlowerError, Task, pack, unpack
+from fedppl.runtime.flower_wire import content, fields, record_bytes
 
 from . import flower_tasks
 
@@ -58,6 +61,50 @@ def test_messages_are_checked_against_the_method():
     key = jax.random.key(3)
     back = unpack(pack(key), key)
     assert jax.random.key_data(back).tolist() == jax.random.key_data(key).tolist()
+
+
+def test_malformed_bytes_are_refused_with_the_senders_name():
+    """A message's bytes that are not :func:`pack`'s (a header that does not parse, a dtype
+    that is not a number, data shorter or longer than the header says, not bytes at all) are
+    refused with the sender's name, never read as arrays."""
+    like = {"a": jax.ShapeDtypeStruct((2,), np.float64)}
+    good = pack({"a": np.ones(2)})
+    header = int.from_bytes(good[:4], "little")
+    bad = {"garbage header": b"\x05\x00\x00\x00{not json" + bytes(16),
+           "object dtype": _packed('[["|O8", [2]]]', bytes(16)),
+           "negative shape": _packed('[["<f8", [-2]]]', b""),
+           "truncated": good[:-1], "longer": good + b"\x00",
+           "header past the end": (10**6).to_bytes(4, "little") + good[4:]}
+    for data in bad.values():  # each named for what is wrong with it
+        with pytest.raises(ValueError, match="client 4 sent a message"):
+            unpack(data, like, "client 4")
+    with pytest.raises(ValueError, match="client 4 sent a message that is not bytes"):
+        unpack(None, like, "client 4")
+    assert header > 0 and unpack(good, like, "client 4")["a"].tolist() == [1.0, 1.0]
+
+
+def test_a_message_is_one_record_whatever_its_trees():
+    """A message's trees travel in one record: Flower stores it as the content and that record
+    (two objects beside the message, each one request through the SuperLink), however many
+    trees and leaves it carries; an ArrayRecord per tree would be one object per array more."""
+    from flwr.supercore.inflatable.inflatable_object import get_object_tree, iterate_object_tree
+
+    trees = {"server": {"a": np.ones((5, 5)), "b": np.ones(5), "c": np.arange(3)},
+             "key": jax.random.key(0), "reply.3": [np.ones(2), np.zeros((2, 2))]}
+    c = content({"round": 4, "reply_rounds": [3]}, **trees)
+    assert sum(1 for _ in iterate_object_tree(get_object_tree(c))) == 2
+    got = fields(c, "the server")
+    assert got["round"] == 4 and list(got["reply_rounds"]) == [3]
+    back = unpack(got["server"], trees["server"], "the server")
+    assert all(np.array_equal(back[k], trees["server"][k]) for k in trees["server"])
+    assert record_bytes(c) == sum(len(got[k]) for k in trees)
+    with pytest.raises(ValueError, match="client 2 sent a message without fedppl's record"):
+        fields(RecordDict(), "client 2")
+
+
+def _packed(header: str, data: bytes) -> bytes:
+    raw = header.encode()
+    return len(raw).to_bytes(4, "little") + raw + data
 
 
 def test_flower_task_needs_enough_nodes():
