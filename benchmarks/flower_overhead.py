@@ -61,7 +61,8 @@ BENCHMARK = {
 
 jax.config.update("jax_enable_x64", True)
 
-OUT = Path(__file__).parent / "results" / "flower_overhead.json"
+HERE = Path(__file__).resolve().parent
+OUT = HERE / "results" / "flower_overhead.json"
 ENGINES = ("embedded", "simulation", "deployment", "deployment-warm-cache",
            "deployment-flower-poll", "deployment-subprocess")
 # resident memory of one SuperNode with its warm ClientApp process (measured by this script at
@@ -184,47 +185,81 @@ def _deploy(engine: str, K: int, rounds: int, workers: int | None, cache: str,
                "deployment-subprocess": {"isolation": "subprocess", "node_poll": None}}
     app = Path(__file__).resolve().parents[1] / "examples" / "flower"
     t0 = time.perf_counter()
-    with tempfile.TemporaryDirectory() as out, \
-            LocalDeployment(K, jax_cache=cache, workers=workers, start_timeout=300,
-                            **options.get(engine, {})) as fed:
-        spies = _spies(fed, out) if profile else []
-        before = _usage(fed)
-        fed.run(app, run_config={"task": "benchmarks.flower_overhead:task",
-                                 "num-clients": K, "num-rounds": rounds,
-                                 "schedule": schedule, "result-dir": out}, timeout=3600)
-        after = _usage(fed)
-        import signal
+    with tempfile.TemporaryDirectory() as out:
+        counts = Path(out) / "requests.json"
+        with LocalDeployment(K, jax_cache=cache, workers=workers, start_timeout=300,
+                             env={"FEDPPL_REQUEST_COUNTS": str(counts)},
+                             superlink=[sys.executable, str(HERE / "_counted_superlink.py")],
+                             **options.get(engine, {})) as fed:
 
-        for _, spy in spies:
-            spy.send_signal(signal.SIGINT)  # py-spy writes its file and exits
-        splits = {}
-        for name, spy in spies:
-            spy.wait(60)
-            splits[name] = _split(Path(out) / f"{name}.txt")
-        with open(os.path.join(out, "result.json")) as f:
-            history = json.load(f)["history"]
+            def run(n: int) -> tuple[dict, dict, dict]:  # a run's history, CPU and requests
+                before, asked = _usage(fed), _requests(counts)
+                fed.run(app, run_config={"task": "benchmarks.flower_overhead:task",
+                                         "num-clients": K, "num-rounds": n,
+                                         "schedule": schedule, "result-dir": out},
+                        timeout=3600)
+                after, answered = _usage(fed), _requests(counts, at_least=asked)
+                with open(os.path.join(out, "result.json")) as f:
+                    history = json.load(f)["history"]
+                return (history, {g: after[g][1] - before.get(g, (0.0, 0.0))[1] for g in after},
+                        {p: answered[p] - asked.get(p, 0) for p in answered})
+
+            spies = _spies(fed, out) if profile else []
+            history, cpu_run, _ = run(rounds)  # the row's times (a cold cache: the first round)
+            import signal
+
+            for _, spy in spies:
+                spy.send_signal(signal.SIGINT)  # py-spy writes its file and exits
+            splits = {}
+            for name, spy in spies:
+                spy.wait(60)
+                splits[name] = _split(Path(out) / f"{name}.txt")
+            # the rounds alone: a run of 2n rounds less one of n on the warm deployment (each
+            # run's own set-up, its ServerApp's start, its first round and finish cancel out)
+            _, cpu_short, req_short = run(rounds)
+            _, cpu_long, req_long = run(2 * rounds)
+            rss = {n: gib for n, (gib, _) in _usage(fed).items()}
     row = _row(engine, K, history, time.perf_counter() - t0, schedule)
-    rss = {n: gib for n, (gib, _) in after.items()}
     nodes = sum(v for n, v in rss.items() if n.startswith(("node-", "worker-")))
 
-    def cpu(prefix: str) -> float:  # CPU seconds a round (the run's, set-up included)
-        return sum(after[n][1] - before.get(n, (0.0, 0.0))[1] for n in after
-                   if n.startswith(prefix)) / rounds
+    def cpu(used: dict, prefix: str, per: float = rounds) -> float:  # CPU seconds a round
+        return sum(v for n, v in used.items() if n.startswith(prefix)) / per
 
-    row.update(cpu_seconds_per_round={"superlink": cpu("superlink"), "supernodes": cpu("node-"),
-                                      "workers": cpu("worker-")},
+    steady = {n: cpu_long.get(n, 0.0) - cpu_short.get(n, 0.0) for n in cpu_long}
+    requests = {p: (req_long.get(p, 0) - req_short.get(p, 0)) / (rounds * K) for p in req_long}
+    row.update(cpu_seconds_per_round={"superlink": cpu(cpu_run, "superlink"),
+                                      "supernodes": cpu(cpu_run, "node-"),
+                                      "workers": cpu(cpu_run, "worker-")},
+               steady_cpu_seconds_per_round={"superlink": cpu(steady, "superlink"),
+                                             "supernodes": cpu(steady, "node-"),
+                                             "workers": cpu(steady, "worker-")},
+               superlink_cpu_ms_per_node_per_round=1e3 * cpu(steady, "superlink") / K,
+               superlink_cpu_ms_per_node_per_round_all_in=1e3 * cpu(cpu_run, "superlink") / K,
+               superlink_requests_per_node_per_round=round(sum(requests.values()), 2),
+               superlink_requests_by_path={p: round(v, 2) for p, v in sorted(
+                   requests.items(), key=lambda kv: -kv[1]) if v > 0},
                memory_gib_per_supernode=nodes / K,
                workers=0 if engine == "deployment-subprocess" else workers or K,
                superlink_gib=rss.get("superlink", 0.0))
     if profile:  # each group's CPU a round, split by the layers its samples were in
-        per = {"superlink": cpu("superlink"), "node-0": cpu("node-0"),
-               "worker-0": cpu("worker-0")}
+        per = {"superlink": cpu(cpu_run, "superlink"), "node-0": cpu(cpu_run, "node-0"),
+               "worker-0": cpu(cpu_run, "worker-0")}
         row["cpu_breakdown_seconds_per_round"] = {
             name: {layer: share * per[name] for layer, share in split.items()
                    if layer != "waiting"} for name, split in splits.items()}
         row["waiting_share_of_samples"] = {n: split["waiting"] for n, split in splits.items()}
-        row["superlink_cpu_ms_per_node_per_round"] = 1e3 * per["superlink"] / K
     return row
+
+
+def _requests(path: Path, at_least: dict | None = None) -> dict[str, int]:
+    """The SuperLink's requests so far by path (``_counted_superlink.py``'s file), once it
+    holds the requests of a run that just ended (its file is written every half second)."""
+    for _ in range(20):
+        time.sleep(0.6)
+        got = json.loads(path.read_text()) if path.exists() else {}
+        if sum(got.values()) > sum((at_least or {}).values()):
+            return got
+    return got
 
 
 def run(engine: str, K: int, rounds: int, workers: int | None = None,

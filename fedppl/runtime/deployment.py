@@ -135,7 +135,9 @@ class LocalDeployment:
     nodes cost the SuperLink more than they save: ``benchmarks/flower_overhead.py``);
     ``workers``: how many warm ClientApp processes serve the nodes (default one per node, as
     at separate sites; fewer share them, node ``k`` served by worker ``k % workers``, to fit
-    many nodes in one machine's memory).
+    many nodes in one machine's memory); ``superlink``: the command that starts the SuperLink,
+    before its options (default Flower's ``flower-superlink``; ``benchmarks/flower_overhead.py``
+    starts it through a wrapper that counts its requests).
 
     Ports: the SuperLink's (unless ``port`` is given) and each SuperNode's Runtime API are
     chosen free (:func:`free_port`); a process whose port was taken by the time it bound it
@@ -147,7 +149,8 @@ class LocalDeployment:
                  start_timeout: float = 60.0, env: Mapping[str, str] | None = None,
                  port: int | None = None, isolation: str = "process",
                  jax_cache: str | os.PathLike | None = None,
-                 node_poll: float | str | None = "auto", workers: int | None = None):
+                 node_poll: float | str | None = "auto", workers: int | None = None,
+                 superlink: list[str] | None = None):
         if num_nodes < 1:
             raise ValueError(f"num_nodes must be at least 1, got {num_nodes}")
         if isolation not in ("process", "subprocess"):
@@ -163,6 +166,7 @@ class LocalDeployment:
                                                       "num-partitions": num_nodes})
         self.extra_env = dict(env or {})
         self.requested_port = port
+        self.superlink = list(superlink) if superlink else None
         self.procs: dict[str, subprocess.Popen] = {}
         self.ports: dict[str, int] = {}  # each process's own port
         self.restarts: list[tuple[str, int]] = []  # (process, the port that was taken)
@@ -235,7 +239,8 @@ class LocalDeployment:
         self.port = self.requested_port or free_port(self.ports.values())
         self.ports["superlink"] = self.port
         self.address = f"127.0.0.1:{self.port}"
-        self._start("superlink", [self._bin("flower-superlink"), "--insecure",
+        command = self.superlink or [self._bin("flower-superlink")]
+        self._start("superlink", [*command, "--insecure",
                                   "--disable-runtime-dependency-installation",
                                   "--host", "127.0.0.1", "--port", str(self.port)])
 

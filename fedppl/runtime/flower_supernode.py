@@ -5,11 +5,14 @@ before asking again (a constant in ``flwr.supernode.start_client_internal``); it
 ClientApp's reply every 0.5 s. A round that sends each node one message therefore waits about
 3 s at every node, whatever the work. ``python -m fedppl.runtime.flower_supernode`` runs the
 same SuperNode (every ``flower-supernode`` option, unchanged) with its wait for a reply cut to
-``--poll`` seconds (default 0.05), its idle wait starting at ``--poll`` after each message and
-growing by a fifth each time to 0.5 s, for ``--busy`` seconds (default 30) after the node last
-handled a message, and Flower's 3 s after that; it also asks again after ``--poll`` seconds,
-not Flower's 1 s, for the parts of a message the SuperLink has not stored yet. An idle node asks
-its SuperLink no more often than Flower's does, a busy one at most 20 times a second::
+``--poll`` seconds (default 0.05); after each message its first check for the next comes
+``--lead`` (default 0.8) times its shortest recent wait for one later (the round's rhythm), the
+next ones every ``--poll`` seconds, each wait longer by a fifth up to 0.5 s, for ``--busy``
+seconds (default 30) after the node last handled a message, and Flower's 3 s after that; it
+also asks again after ``--poll`` seconds, not Flower's 1 s, for the parts of a message the
+SuperLink has not stored yet. An idle node asks its SuperLink no more often than Flower's does,
+a busy one at most 20 times a second, and a node whose rounds keep their rhythm a few times a
+round (at K = 10 on 2 cores: 6 checks a message, from 10)::
 
     python -m fedppl.runtime.flower_supernode --poll 0.05 -- --isolation process \\
         --superlink SERVER:9092 --root-certificates ca.crt --port 9094 \\
@@ -34,29 +37,60 @@ __all__ = ["BusyClock", "main"]
 
 
 class BusyClock:
-    """The ``time`` module, with Flower's idle wait (3 s) shortened while the node is busy: the
-    first wait after the node handled a message is ``poll`` seconds, each further one 1.2 times
-    longer, up to ``max_wait``; after ``busy`` seconds without a message, Flower's own wait.
-    (Flower's SuperNode makes shorter waits only while it handles a message: those mark it
-    busy, and are cut to ``poll``.)"""
+    """The ``time`` module, with Flower's idle wait (3 s) shortened while the node is busy.
 
-    def __init__(self, poll: float, busy: float, idle_wait: float = 3.0, max_wait: float = 0.5):
+    The node learns how long it waits between messages: after handling one, its first check
+    comes ``lead`` times the shortest of the last three waits later (a round's rhythm: the
+    server waits for the other nodes and updates), then every ``poll`` seconds, each wait 1.2
+    times longer, up to ``max_wait``; after ``busy`` seconds without a message, Flower's own
+    wait. (Flower's SuperNode makes shorter waits only while it handles a message: those mark
+    it busy, and are cut to ``poll``.) ``clock`` is the time module it wraps (a test's).
+
+    >>> class Fake:  # a clock whose sleeps only move its time on
+    ...     now = 0.0
+    ...     def monotonic(self): return self.now
+    ...     def sleep(self, s): self.now += s
+    >>> fake = Fake()
+    >>> clock = BusyClock(0.05, 30.0, clock=fake)
+    >>> clock.sleep(0.5)                    # waiting for the ClientApp's reply: busy
+    >>> for _ in range(8): clock.sleep(3.0)  # no message yet: 0.05, 0.06, 0.072... (0.825 s)
+    >>> clock.sleep(0.5)                    # the next message came
+    >>> before = fake.now; clock.sleep(3.0)  # after it, the first check: 0.8 x 0.825 s later
+    >>> round(fake.now - before, 2)
+    0.66
+    """
+
+    def __init__(self, poll: float, busy: float, idle_wait: float = 3.0, max_wait: float = 0.5,
+                 lead: float = 0.8, clock: Any = time):
         self.poll, self.busy, self.idle_wait, self.max_wait = poll, busy, idle_wait, max_wait
+        self.lead, self.clock = lead, clock
         self.last, self.wait = -float("inf"), poll
+        self.idle_from: float | None = None  # when the node last ran out of messages
+        self.gaps: list[float] = []  # its last waits for a message
 
     def sleep(self, seconds: float) -> None:
-        now = time.monotonic()
+        now = self.clock.monotonic()
         if seconds < self.idle_wait:  # waiting for a reply: the node is handling a message
+            if self.idle_from is not None:  # a message came: how long the node waited
+                self.gaps = [*self.gaps[-2:], now - self.idle_from]
+                self.idle_from = None
             self.last, self.wait = now, self.poll
-            time.sleep(min(seconds, self.poll))
+            self.clock.sleep(min(seconds, self.poll))
         elif now - self.last < self.busy:
-            time.sleep(min(seconds, self.wait))
+            if self.idle_from is None:  # the first wait for the next message
+                self.idle_from = now
+                ahead = self.lead * min(self.gaps) if self.gaps else 0.0
+                if ahead > self.wait:
+                    self.clock.sleep(min(seconds, ahead))
+                    return
+            self.clock.sleep(min(seconds, self.wait))
             self.wait = min(self.max_wait, 1.2 * self.wait)
         else:
-            time.sleep(seconds)
+            self.idle_from = None
+            self.clock.sleep(seconds)
 
     def __getattr__(self, name: str) -> Any:
-        return getattr(time, name)
+        return getattr(self.clock, name)
 
 
 def main(argv: Sequence[str] | None = None) -> None:
@@ -68,6 +102,9 @@ def main(argv: Sequence[str] | None = None) -> None:
                    help="seconds between checks for a message while busy")
     p.add_argument("--busy", type=float, default=30.0,
                    help="seconds after the last message during which the node checks often")
+    p.add_argument("--lead", type=float, default=0.8,
+                   help="the first check after a message, as a share of the node's shortest "
+                        "recent wait for one (0: at once)")
     ours, _, theirs = (argv[:argv.index("--")], None, argv[argv.index("--") + 1:]) \
         if "--" in argv else ([], None, argv)
     args = p.parse_args(ours)
@@ -78,7 +115,8 @@ def main(argv: Sequence[str] | None = None) -> None:
     except ImportError as err:  # pragma: no cover - the extra is installed by make test
         raise ImportError("fedppl.runtime.flower_supernode needs Flower: "
                           "pip install 'fedppl[flower]'") from err
-    start_client_internal.time = BusyClock(args.poll, args.busy)  # type: ignore[assignment]
+    start_client_internal.time = BusyClock(  # type: ignore[assignment]
+        args.poll, args.busy, lead=args.lead)
     # a message's parts the SuperLink has not stored yet: asked again after --poll seconds,
     # doubling to 0.5 s (Flower first waits 1 s, doubling to 10 s)
     start_client_internal.pull_objects = functools.partial(
