@@ -58,6 +58,10 @@ PORT_RETRIES = 3
 FAST_POLL_NODES = 10
 
 
+# fedppl's SuperNode (fedppl.runtime.flower_supernode), which imports only Flower
+_SUPERNODE = Path(__file__).with_name("flower_supernode.py")
+
+
 class DeploymentError(RuntimeError):
     """A local deployment that did not start, or a run that failed (with the logs)."""
 
@@ -249,9 +253,10 @@ class LocalDeployment:
         port = free_port(self.ports.values())
         self.ports[name] = port
         config = " ".join(f"{key}={_toml(v)}" for key, v in self.node_config(k).items())
+        # run as a file, not a module of fedppl's package, which imports JAX: half the memory
+        # (0.13 GiB a SuperNode, not 0.28) and of the CPU to start (1.2 s, not 2.2)
         supernode = ([self._bin("flower-supernode")] if self.node_poll is None else
-                     [sys.executable, "-m", "fedppl.runtime.flower_supernode",
-                      "--poll", str(self.node_poll), "--"])
+                     [sys.executable, "-P", str(_SUPERNODE), "--poll", str(self.node_poll), "--"])
         self._start(name, [*supernode, "--insecure", "--superlink", self.address,
                            "--port", str(port), "--node-config", config,
                            "--isolation", self.isolation])

@@ -78,6 +78,8 @@ except ImportError as err:  # pragma: no cover - the extra is installed by make 
     raise ImportError("fedppl.runtime.flower_worker needs Flower: pip install 'fedppl[flower]'"
                       ) from err
 
+from fedppl.runtime.flower_supernode import Rhythm
+
 __all__ = ["Worker", "main"]
 
 log = logging.getLogger("fedppl.flower_worker")
@@ -91,9 +93,9 @@ class Worker:
     machine may share a worker between several SuperNodes (one JAX runtime, one compilation)."""
 
     def __init__(self, addresses: str | Sequence[str], *, root_certificates: str | None = None,
-                 poll: float = 0.02, argv: Sequence[str] = ()):
+                 poll: float = 0.02, lead: float = 0.8, argv: Sequence[str] = ()):
         self.addresses = [addresses] if isinstance(addresses, str) else list(addresses)
-        self.poll, self.argv = poll, list(argv)
+        self.poll, self.lead, self.argv = poll, lead, list(argv)
         self.certificates = (None if root_certificates is None
                              else Path(root_certificates).read_bytes())
         self.fab: str | None = None  # the app this process has loaded (its FAB's hash)
@@ -110,12 +112,17 @@ class Worker:
         """Claim and run tasks until ``max_tasks`` have run (None: until stopped)."""
         claims = {a: self._client(a, RuntimeVersionHttpInterceptor(component_name="SuperExec"))
                   for a in self.addresses}
-        wait = self.poll
+        wait, rhythm = self.poll, Rhythm(self.lead)
         try:
             while max_tasks is None or self.handled < max_tasks:
                 if any([self._claim(address, client) for address, client in claims.items()]):
                     wait = self.poll
-                else:  # idle: ask less often, up to four times a second
+                    rhythm.busy(time.monotonic())
+                else:  # idle: first when the rounds' rhythm says, then less often, to 4 a second
+                    ahead = rhythm.idle(time.monotonic())
+                    if ahead is not None and ahead > wait:
+                        time.sleep(ahead)
+                        continue
                     time.sleep(wait)
                     wait = min(0.25, 1.3 * wait)
         finally:
@@ -240,6 +247,9 @@ def main(argv: Sequence[str] | None = None) -> None:
                    help="JAX's persistent compilation cache directory")
     p.add_argument("--poll", type=float, default=0.02,
                    help="seconds between task claims after a task (growing to 0.25 s when idle)")
+    p.add_argument("--lead", type=float, default=0.8,
+                   help="the first claim after a task, as a share of the worker's shortest "
+                        "recent wait for one (0: at once)")
     p.add_argument("--preload", nargs="*", default=["fedppl.runtime.flower"],
                    help="modules to import before the first task (default: fedppl's Flower "
                         "runtime, with JAX), so that no message waits for them")
@@ -256,7 +266,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     keep = list(argv[:argv.index("--task")] + argv[argv.index("--task") + 3:]
                 if "--task" in argv else argv)  # what a restart passes on
     worker = Worker(args.runtime_api_address, root_certificates=args.root_certificates,
-                    poll=args.poll, argv=keep)
+                    poll=args.poll, lead=args.lead, argv=keep)
     if args.task:
         worker.run_task(*args.task)
     worker.serve()

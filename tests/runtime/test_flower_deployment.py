@@ -236,3 +236,23 @@ def test_a_port_taken_before_its_node_binds_it_is_retried(monkeypatch):
             assert fed.ports["node-0"] != taken
             assert "Activated node_id" in fed.log("superlink")
     assert all(p.poll() is not None for p in fed.procs.values())
+
+
+def test_ten_nodes_start_and_stop_five_times_in_a_row():
+    """Five starts and stops of a K = 10 deployment in a row (one warm worker shared by the
+    nodes, to keep the test short): every start brings all ten SuperNodes up, registered with
+    the SuperLink on ports of their own, and every stop ends every process and frees every
+    port (what a start that failed one time in three, before, did not)."""
+    import socket
+
+    for attempt in range(5):
+        with LocalDeployment(10, workers=1, start_timeout=120) as fed:
+            assert fed.log("superlink").count("Activated node_id") >= 10, attempt
+            assert len(set(fed.ports.values())) == 11, fed.ports  # the SuperLink's and 10 nodes'
+            ports = dict(fed.ports)
+        assert all(p.poll() is not None for p in fed.procs.values()), attempt
+        for name, port in ports.items():
+            with socket.socket() as s:
+                s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+                s.bind(("127.0.0.1", port))  # nothing listens there any more
+                assert s.getsockname()[1] == port, name
