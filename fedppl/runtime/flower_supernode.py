@@ -7,12 +7,12 @@ ClientApp's reply every 0.5 s. A round that sends each node one message therefor
 same SuperNode (every ``flower-supernode`` option, unchanged) with its wait for a reply cut to
 ``--poll`` seconds (default 0.05); after each message its first check for the next comes
 ``--lead`` (default 0.8) times its shortest recent wait for one later (the round's rhythm), the
-next ones every ``--poll`` seconds, each wait longer by a fifth up to 0.5 s, for ``--busy``
-seconds (default 30) after the node last handled a message, and Flower's 3 s after that; it
-also asks again after ``--poll`` seconds, not Flower's 1 s, for the parts of a message the
-SuperLink has not stored yet. An idle node asks its SuperLink no more often than Flower's does,
-a busy one at most 20 times a second, and a node whose rounds keep their rhythm a few times a
-round (at K = 10 on 2 cores: 6 checks a message, from 10)::
+next ones every ``--poll`` seconds, each wait longer by a fifth up to 0.5 s (or a tenth of that
+shortest wait, when longer), for ``--busy`` seconds (default 30) after the node last handled a
+message, and Flower's 3 s after that. It also asks again after ``--poll`` seconds, not Flower's
+1 s, doubling to the same cap, for the parts of a message the SuperLink has not stored yet. An
+idle node asks its SuperLink no more often than Flower's does, a busy one at most 20 times a
+second, and one whose rounds keep their rhythm about twice a round::
 
     python -m fedppl.runtime.flower_supernode --poll 0.05 -- --isolation process \\
         --superlink SERVER:9092 --root-certificates ca.crt --port 9094 \\
@@ -30,7 +30,6 @@ slower a round.
 from __future__ import annotations
 
 import argparse
-import functools
 import os
 import sys
 import time
@@ -41,13 +40,17 @@ __all__ = ["BusyClock", "Rhythm", "main"]
 
 
 class Rhythm:
-    """A process's waits for its next message, learned: ``first()`` is how long to wait before
-    the first check after handling a message, ``lead`` times the shortest of its last ``keep``
-    waits for one (a round's rhythm: the server waits for the other nodes and updates; 0 until
-    it has waited once). ``busy(now)`` marks a message handled, ``idle(now)`` a wait for one."""
+    """A process's waits for its next message, learned from its last ``keep`` (a round's
+    rhythm: the server waits for the other nodes and updates). ``busy(now)`` marks a message
+    handled, ``idle(now)`` a wait for one, and returns the wait before the first check:
+    ``lead`` times the shortest of them (0 until it has waited once). ``cap(floor)``: the
+    longest wait between later checks, ``share`` of that shortest wait (at least ``floor``), so
+    that a process checks a bounded number of times a round however long the rounds grow (at
+    K = 100 on 2 cores a round took 36 s, and checks every 0.5 s cost the SuperLink more than
+    the messages)."""
 
-    def __init__(self, lead: float = 0.8, keep: int = 3):
-        self.lead, self.keep = lead, keep
+    def __init__(self, lead: float = 0.8, keep: int = 3, share: float = 0.1):
+        self.lead, self.keep, self.share = lead, keep, share
         self.idle_from: float | None = None  # when the process last ran out of messages
         self.gaps: list[float] = []  # its last waits for a message
 
@@ -63,11 +66,15 @@ class Rhythm:
         self.idle_from = now
         return self.lead * min(self.gaps) if self.gaps else 0.0
 
+    def cap(self, floor: float) -> float:
+        return max(floor, self.share * min(self.gaps)) if self.gaps else floor
+
 
 class BusyClock:
     """The ``time`` module, with Flower's idle wait (3 s) shortened while the node is busy: the
     first check after a message comes when its :class:`Rhythm` says, the next ones every
-    ``poll`` seconds, each wait 1.2 times longer, up to ``max_wait``; after ``busy`` seconds
+    ``poll`` seconds, each wait 1.2 times longer, up to ``max_wait`` (or the rhythm's
+    :meth:`~Rhythm.cap`, when longer); after ``busy`` seconds
     without a message, Flower's own wait. (Flower's SuperNode makes shorter waits only while it
     handles a message: those mark it busy, and are cut to ``poll``.) ``clock`` is the time
     module it wraps (a test's).
@@ -104,7 +111,7 @@ class BusyClock:
                 self.clock.sleep(min(seconds, ahead))
                 return
             self.clock.sleep(min(seconds, self.wait))
-            self.wait = min(self.max_wait, 1.2 * self.wait)
+            self.wait = min(self.rhythm.cap(self.max_wait), 1.2 * self.wait)
         else:
             self.rhythm.idle_from = None
             self.clock.sleep(seconds)
@@ -135,12 +142,17 @@ def main(argv: Sequence[str] | None = None) -> None:
     except ImportError as err:  # pragma: no cover - the extra is installed by make test
         raise ImportError("fedppl.runtime.flower_supernode needs Flower: "
                           "pip install 'fedppl[flower]'") from err
-    start_client_internal.time = BusyClock(  # type: ignore[assignment]
-        args.poll, args.busy, lead=args.lead)
+    clock = BusyClock(args.poll, args.busy, lead=args.lead)
+    start_client_internal.time = clock  # type: ignore[assignment]
     # a message's parts the SuperLink has not stored yet: asked again after --poll seconds,
-    # doubling to 0.5 s (Flower first waits 1 s, doubling to 10 s)
-    start_client_internal.pull_objects = functools.partial(
-        start_client_internal.pull_objects, initial_backoff=args.poll, backoff_cap=0.5)
+    # doubling to 0.5 s or the rhythm's cap (Flower first waits 1 s, doubling to 10 s)
+    pull = start_client_internal.pull_objects
+
+    def pull_objects(*args_: Any, **kwargs: Any) -> Any:
+        return pull(*args_, **kwargs, initial_backoff=args.poll,
+                    backoff_cap=clock.rhythm.cap(0.5))
+
+    start_client_internal.pull_objects = pull_objects
     sys.argv = ["flower-supernode", *theirs]
     flower_supernode()
 

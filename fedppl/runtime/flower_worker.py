@@ -118,13 +118,13 @@ class Worker:
                 if any([self._claim(address, client) for address, client in claims.items()]):
                     wait = self.poll
                     rhythm.busy(time.monotonic())
-                else:  # idle: first when the rounds' rhythm says, then less often, to 4 a second
+                else:  # idle: first when the rounds' rhythm says, then less often
                     ahead = rhythm.idle(time.monotonic())
                     if ahead is not None and ahead > wait:
                         time.sleep(ahead)
                         continue
                     time.sleep(wait)
-                    wait = min(0.25, 1.3 * wait)
+                    wait = min(rhythm.cap(0.25), 1.3 * wait)
         finally:
             for client in claims.values():
                 client.close()
