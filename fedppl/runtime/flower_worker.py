@@ -106,7 +106,7 @@ class Worker:
         return RuntimeHttpClient.from_server_address(
             server_address=address, insecure=self.certificates is None,
             root_certificates=self.certificates, interceptors=list(interceptors),
-            retry_invoker=make_simple_http_retry_invoker())
+            retry_invoker=_retry_invoker())
 
     def serve(self, max_tasks: int | None = None) -> None:
         """Claim and run tasks until ``max_tasks`` have run (None: until stopped)."""
@@ -222,6 +222,25 @@ def _pull_task_input(client: RuntimeHttpClient) -> tuple[Any, Any, Any, Any]:
         return_type=Message, initial_backoff=0.02, backoff_cap=0.2)
     message.metadata.__dict__["_message_id"] = tree.object_id  # as Flower's process sets it
     return message, context, run, fab
+
+
+def _retry_invoker() -> Any:
+    """Flower's retries for the Runtime API, except that a refused token (HTTP 401) ends the
+    request with an error rather than the process: Flower's ClientApp process, which serves one
+    task, interrupts itself (SIGINT) there, but this process serves every task of its nodes,
+    and its heartbeat for a task can reach the SuperNode just after the task ended (a worker at
+    K = 50 stopped that way, and its ten nodes' rounds with it)."""
+    invoker = make_simple_http_retry_invoker()
+    flowers = invoker.should_giveup
+
+    def should_giveup(exc: Exception) -> bool:
+        if isinstance(exc, httpx.HTTPStatusError) \
+                and exc.response.status_code == httpx.codes.UNAUTHORIZED:
+            return True
+        return flowers(exc) if flowers is not None else False
+
+    invoker.should_giveup = should_giveup
+    return invoker
 
 
 def _beat(client: RuntimeHttpClient) -> bool:

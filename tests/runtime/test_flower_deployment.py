@@ -256,3 +256,25 @@ def test_ten_nodes_start_and_stop_five_times_in_a_row():
                 s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
                 s.bind(("127.0.0.1", port))  # nothing listens there any more
                 assert s.getsockname()[1] == port, name
+
+
+def test_a_refused_token_ends_the_request_not_the_worker():
+    """A SuperNode that refuses a task's token (HTTP 401: the task ended while its heartbeat
+    was on its way) makes Flower's retries interrupt the whole process; a warm worker serves
+    every task of its nodes, so for it the request fails and the process goes on."""
+    import httpx
+
+    from fedppl.runtime import flower_worker
+
+    request = httpx.Request("POST", "http://127.0.0.1:1/v1/runtime/send-task-heartbeat")
+    refused = httpx.HTTPStatusError("401", request=request,
+                                    response=httpx.Response(401, request=request))
+    calls = []
+
+    def beat():
+        calls.append(1)
+        raise refused
+
+    with pytest.raises(httpx.HTTPStatusError):
+        flower_worker._retry_invoker().invoke(beat)
+    assert calls == [1]  # given up at once, and this process was not interrupted
