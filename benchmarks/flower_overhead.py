@@ -206,6 +206,8 @@ def _deploy(engine: str, K: int, rounds: int, workers: int | None, cache: str,
 
             spies = _spies(fed, out) if profile else []
             history, cpu_run, _ = run(rounds)  # the row's times (a cold cache: the first round)
+            with np.load(os.path.join(out, "state.npz")) as f:  # the ServerApp's last state
+                state = [f[k] for k in sorted(f.files, key=lambda s: int(s.split("_")[1]))]
             import signal
 
             for _, spy in spies:
@@ -220,6 +222,7 @@ def _deploy(engine: str, K: int, rounds: int, workers: int | None, cache: str,
             _, cpu_long, req_long = run(2 * rounds)
             rss = {n: gib for n, (gib, _) in _usage(fed).items()}
     row = _row(engine, K, history, time.perf_counter() - t0, schedule)
+    row["max_abs_difference_to_embedded"] = _difference(state, K, rounds, schedule)
     nodes = sum(v for n, v in rss.items() if n.startswith(("node-", "worker-")))
 
     def cpu(used: dict, prefix: str, per: float = rounds) -> float:  # CPU seconds a round
@@ -249,6 +252,36 @@ def _deploy(engine: str, K: int, rounds: int, workers: int | None, cache: str,
                    if layer != "waiting"} for name, split in splits.items()}
         row["waiting_share_of_samples"] = {n: split["waiting"] for n, split in splits.items()}
     return row
+
+
+def _difference(state: list, K: int, rounds: int, schedule: str) -> float | str:
+    """The largest absolute difference between the deployment's last server state and the
+    embedded runtime's on the same task (its PVI line search the one a deployment chooses,
+    as ``tests/runtime/flower_tasks.py`` runs it)."""
+    from fedppl.runtime.embedded import make_round
+
+    t = task({"num-clients": K, "num-rounds": rounds, "schedule": schedule})
+    clients = fedppl.Clients.from_list([t.load_partition(k) for k in range(K)])
+    t.method.line_search = "adaptive"  # a deployment's default (its server holds no data)
+    last: dict = {}
+
+    def runtime(trio, schedule):
+        round_fn = make_round(trio, schedule)
+
+        def recorded(*args):
+            out = round_fn(*args)
+            last["server"] = out[0]
+            return out
+
+        return recorded
+
+    t.method.run(jax.random.key(0), clients, rounds, progress_bar=False, runtime=runtime)
+    want = [np.asarray(jax.random.key_data(x) if jax.dtypes.issubdtype(
+        x.dtype, jax.dtypes.prng_key) else x) for x in jax.tree_util.tree_leaves(last["server"])]
+    if len(want) != len(state) or any(a.shape != b.shape for a, b in zip(state, want, strict=True)):
+        return "the states' structures differ"
+    return max(float(np.max(np.abs(a.astype(float) - b.astype(float)), initial=0.0))
+               for a, b in zip(state, want, strict=True))
 
 
 def _requests(path: Path, at_least: dict | None = None) -> dict[str, int]:
