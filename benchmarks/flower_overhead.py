@@ -256,26 +256,14 @@ def _deploy(engine: str, K: int, rounds: int, workers: int | None, cache: str,
 
 def _difference(state: list, K: int, rounds: int, schedule: str) -> float | str:
     """The largest absolute difference between the deployment's last server state and the
-    embedded runtime's on the same task (its PVI line search the one a deployment chooses,
-    as ``tests/runtime/flower_tasks.py`` runs it)."""
-    from fedppl.runtime.embedded import make_round
+    embedded runtime's on the same task, planned as on a deployment."""
+    from fedppl.runtime.embedded import Runtime, recording
 
     t = task({"num-clients": K, "num-rounds": rounds, "schedule": schedule})
     clients = fedppl.Clients.from_list([t.load_partition(k) for k in range(K)])
-    t.method.line_search = "adaptive"  # a deployment's default (its server holds no data)
-    last: dict = {}
-
-    def runtime(trio, schedule):
-        round_fn = make_round(trio, schedule)
-
-        def recorded(*args):
-            out = round_fn(*args)
-            last["server"] = out[0]
-            return out
-
-        return recorded
-
-    t.method.run(jax.random.key(0), clients, rounds, progress_bar=False, runtime=runtime)
+    last: dict = {}  # planned as on a deployment, whose server holds no data
+    t.method.run(jax.random.key(0), clients, rounds, progress_bar=False,
+                 runtime=Runtime(recording(last), data_at_server=False))
     want = [np.asarray(jax.random.key_data(x) if jax.dtypes.issubdtype(
         x.dtype, jax.dtypes.prng_key) else x) for x in jax.tree_util.tree_leaves(last["server"])]
     if len(want) != len(state) or any(a.shape != b.shape for a, b in zip(state, want, strict=True)):

@@ -72,7 +72,7 @@ from fedppl import trees
 from fedppl.algorithms.trio import Trio, sent
 
 __all__ = ["make_round", "Runtime", "SCHEDULES", "ClientMap", "VMAP", "LOOP", "host_map",
-           "host_scan", "host_cond"]
+           "host_scan", "host_cond", "recording"]
 
 SCHEDULES = ("sequential", "synchronous", "loop")
 
@@ -155,6 +155,35 @@ def make_round(trio: Trio, schedule: str, client_map: ClientMap | None = None) -
 
 
 # -- the schedules, each written once ----------------------------------------------------------
+
+
+def recording(last: dict) -> Callable[[Trio, str], RoundFn]:
+    """A ``runtime`` for a method's ``run`` that rounds as :func:`make_round` does and keeps the
+    server state after each in ``last["server"]``: what another runtime's last state (a Flower
+    server's ``state.npz``) is compared with.
+
+    >>> import jax, fedppl
+    >>> from fedppl.models import linear_regression
+    >>> X = jax.random.normal(jax.random.key(0), (40, 2)); y = X @ jax.numpy.ones(2)
+    >>> clients = fedppl.partition.homogeneous(X, y, num_clients=2, seed=0)
+    >>> last = {}
+    >>> pvi = fedppl.PVI(linear_regression, fedppl.PVIGuide(linear_regression))
+    >>> _ = pvi.run(jax.random.key(0), clients, 2, runtime=recording(last), progress_bar=False)
+    >>> "server" in last
+    True
+    """
+
+    def runtime(trio: Trio, schedule: str) -> RoundFn:
+        round_fn = make_round(trio, schedule)
+
+        def recorded(*args: Any) -> Any:
+            out = round_fn(*args)
+            last["server"] = out[0]
+            return out
+
+        return recorded
+
+    return runtime
 
 
 def _synchronous(trio: Trio, clients: ClientMap) -> RoundFn:

@@ -15,7 +15,7 @@ import numpy as np
 
 import fedppl
 from fedppl.models import linear_regression
-from fedppl.runtime import make_round
+from fedppl.runtime.embedded import recording
 from fedppl.runtime.faults import _CORRUPT as CORRUPTIONS
 from fedppl.runtime.faults import corrupt
 from fedppl.runtime.flower import Task
@@ -121,18 +121,8 @@ def embedded(name: str, rounds: int = ROUNDS, absent: dict | None = None,
     if absent:
         method = Absent(method, absent)
 
-    def runtime(trio, schedule):
-        round_fn = make_round(trio, schedule)
-
-        def recorded(*args):
-            out = round_fn(*args)
-            last["server"] = out[0]
-            return out
-
-        return recorded
-
     result = method.run(jax.random.key(0), clients, rounds, progress_bar=False,
-                        runtime=runtime, **run_kwargs)
+                        runtime=recording(last), **run_kwargs)
     return result, [np.asarray(x) for x in jax.tree_util.tree_leaves(last["server"])]
 
 

@@ -25,7 +25,7 @@ pytest.importorskip("flwr", reason="the Flower tests need the flower extra: "
 from cryptography import x509
 
 from fedppl.clients import Clients
-from fedppl.runtime.embedded import make_round
+from fedppl.runtime.embedded import Runtime, recording
 
 EXAMPLE = Path(__file__).parents[2] / "examples" / "flower"
 SCRIPT = EXAMPLE / "run_localhost.sh"
@@ -127,20 +127,9 @@ def test_posterior_equals_the_embedded_runtime(run):
                  EXAMPLE / "fedppl_flower_example" / "task.py").task(config)
     clients = Clients.from_list([task.load_partition(k) for k in range(NODES)])
     last = {}
-
-    def runtime(trio, schedule):
-        round_fn = make_round(trio, schedule)
-
-        def recorded(*args):
-            out = round_fn(*args)
-            last["server"] = out[0]
-            return out
-
-        return recorded
-
-    runtime.data_at_server = False  # planned as on the deployment (PVI's adaptive line search)
+    # planned as on the deployment, whose server holds no data (PVI's adaptive line search)
     task.method.run(jax.random.key(task.seed), clients, ROUNDS, progress_bar=False,
-                    runtime=runtime)
+                    runtime=Runtime(recording(last), data_at_server=False))
     want = [np.asarray(x) for x in jax.tree_util.tree_leaves(last["server"])]
     assert len(got) == len(want), (len(got), len(want))
     for i, (a, b) in enumerate(zip(got, want, strict=True)):
