@@ -279,11 +279,10 @@ class Node:
         if built.evaluate is None:
             raise ValueError("this method has no evaluation exchange")
         held = "fedppl.proposed" if int(meta["pending"]) >= 0 else "fedppl.client"
-        data = fields(msg.content, "the server")["candidate"]
         like = built.candidate
-        first = arrays(data, "the server")[:1]
-        batched = bool(first) and first[0].ndim > len(jax.tree_util.tree_leaves(like)[0].shape)
-        candidate = unflatten(data, like)
+        candidate = unflatten(fields(msg.content, "the server")["candidate"], like)
+        batched = (jnp.ndim(jax.tree_util.tree_leaves(candidate)[0])
+                   > len(jax.tree_util.tree_leaves(like)[0].shape))
         client = self._held(held, built)
         if batched:  # several candidates at once (the server's batched line search)
             value = jax.vmap(built.evaluate, (0, None, None, None))(candidate, client,

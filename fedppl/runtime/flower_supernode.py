@@ -66,6 +66,10 @@ class Rhythm:
         self.idle_from = now
         return self.lead * min(self.gaps) if self.gaps else 0.0
 
+    def forget(self) -> None:
+        """The current wait is not one for a round's message (the process went idle)."""
+        self.idle_from = None
+
     def cap(self, floor: float) -> float:
         return max(floor, self.share * min(self.gaps)) if self.gaps else floor
 
@@ -113,7 +117,7 @@ class BusyClock:
             self.clock.sleep(min(seconds, self.wait))
             self.wait = min(self.rhythm.cap(self.max_wait), 1.2 * self.wait)
         else:
-            self.rhythm.idle_from = None
+            self.rhythm.forget()
             self.clock.sleep(seconds)
 
     def __getattr__(self, name: str) -> Any:
