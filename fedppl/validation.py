@@ -145,8 +145,11 @@ def indices_in_range(model: Any, data: tuple, model_kwargs: dict, trace: dict, w
     at the latent values of ``trace`` (a trace of it on the same data), indexes an array out of
     range (``a[g]`` with a group id at or past ``a``'s plate size). JAX clamps such an index
     silently, merging the last group with the ones past it; the check runs the model's log
-    density once under ``jax.experimental.checkify``'s index checks. Data without integer
-    arrays cannot index, and are not run."""
+    density once under ``jax.experimental.checkify``'s index checks, as one compiled program
+    (op by op, a model of a hundred operations compiled a hundred small programs for each new
+    data shape, about a second); a model that needs its data's values while tracing (a group
+    count read from the data) runs op by op. Data without integer arrays cannot index, and are
+    not run."""
     from jax.experimental import checkify
     from numpyro.infer.util import log_density
 
@@ -158,7 +161,13 @@ def indices_in_range(model: Any, data: tuple, model_kwargs: dict, trace: dict, w
     def density(values, arrays):
         return log_density(model, arrays, model_kwargs, values)[0]
 
-    err, _ = checkify.checkify(density, errors=checkify.index_checks)(latent, tuple(data))
+    checked = checkify.checkify(density, errors=checkify.index_checks)
+    try:
+        err, _ = jax.jit(checked)(latent, tuple(data))
+    except (jax.errors.ConcretizationTypeError, jax.errors.TracerBoolConversionError,
+            jax.errors.TracerIntegerConversionError, jax.errors.TracerArrayConversionError,
+            TypeError):
+        err, _ = checked(latent, tuple(data))
     bad = err.get_exception()
     if bad is None:
         return

@@ -140,6 +140,54 @@ def test_an_index_past_the_plate_is_refused_naming_the_client_and_site():
             jax.random.key(0), fedppl.Clients(parts), 1, progress_bar=False, n_groups=5)
 
 
+def test_an_index_check_of_a_model_that_reads_its_data_runs_op_by_op():
+    """The index check runs the log density as one compiled program; a model that reads a
+    group count from its data's values cannot be traced so, and is checked op by op: in range
+    it passes, one short it is refused naming the plate."""
+    from numpyro import handlers
+
+    from fedppl import validation
+
+    def counted(g, y=None, *, extra=1):
+        n = int(np.max(np.asarray(g))) + extra  # the data's values, read while tracing
+        with numpyro.plate("groups", n):
+            a = numpyro.sample("a", dist.Normal(0.0, 1.0))
+        with numpyro.plate("data", g.shape[0]):
+            numpyro.sample("y", dist.Normal(a[g], 1.0), obs=y)
+
+    g, y = np.array([0, 1, 2, 2]), np.zeros(4)
+
+    def check(extra):
+        tr = handlers.trace(handlers.seed(counted, 0)).get_trace(g, y, extra=extra)
+        return validation.indices_in_range(counted, (g, y), {"extra": extra}, tr, "client 7")
+
+    assert check(1) is None
+    with pytest.raises(ValueError, match=r"client 7: the model indexes an array out of range "
+                                         r"\(the latent site 'a' in plate 'groups' of size 2\)"):
+        check(0)
+
+
+def test_local_shapes_of_a_model_that_reads_its_data_are_found_op_by_op():
+    """Each client's local-site shapes come from an abstract trace; a model that reads its
+    group count from its data's values is run op by op instead, and a client whose count
+    differs is still named."""
+
+    def counted(g, y=None):
+        n = int(np.max(np.asarray(g))) + 1  # the data's values, read while tracing
+        mu = numpyro.sample("mu", dist.Normal(0.0, 1.0))
+        with numpyro.plate("groups", n):
+            a = numpyro.sample("a", dist.Normal(mu, 1.0))
+        with numpyro.plate("data", g.shape[0]):
+            numpyro.sample("y", dist.Normal(a[g], 1.0), obs=y)
+
+    parts = [(np.array([0, 1, 1]), np.zeros(3)), (np.array([0, 1, 2]), np.zeros(3))]
+    guide = PVIGuide(counted, global_sites=["mu"])
+    with pytest.raises(ValueError, match=r"local site 'a' has shape \(3,\) for client 1 but "
+                                         r"\(2,\) for client 0"):
+        fedppl.PVI(counted, guide).run(jax.random.key(0), fedppl.Clients(parts), 1,
+                                       progress_bar=False)
+
+
 def test_group_effects_left_global_get_a_hint():
     """Without global_sites every site is global. Groups numbered from 0 within each client
     then share one element across clients (the model as written, not the one meant), and

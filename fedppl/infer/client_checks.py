@@ -25,46 +25,79 @@ def check_clients(guide: PVIGuide, clients: Clients, model_kwargs: dict) -> None
     """Before anything is compiled: every client's observations lie in their likelihood's
     support (Bernoulli labels in {0, 1}, counts non-negative integers...), and every client's
     model gives each local site the shape of the padded prototype."""
-    from numpyro import handlers
-
     clients.check()  # arrays may have changed in place since partitioning
     want = {} if guide.local_layout is None else {s.name: s.shape
                                                   for s in guide.local_layout.sites}
     pooled = clients.num_clients > 1 and _observations_in_support(
         guide.model, clients.pooled().client(0), model_kwargs)
     if not want and pooled:
-        return  # one trace of the pooled rows; the loop below only to name a failing client
+        return  # one trace of the pooled rows; each client's is run to name a failing one
     for k in range(clients.num_clients):
         who = clients.names[k]
-        try:
-            tr = handlers.trace(handlers.seed(guide.model, 0)).get_trace(*clients.client(k),
-                                                                         **model_kwargs)
-        except Exception as err:  # the model's own error, with the client's name
-            raise ValueError(f"{who}: the model fails on this client's data: {err}") from err
-        if not pooled:  # the pooled rows' indices were in range: each client's are
-            validation.indices_in_range(guide.model, clients.client(k), model_kwargs, tr, who)
-        for name, site in tr.items():
-            if site["type"] != "sample" or not site["is_observed"]:
-                continue
-            inside = np.asarray(site["fn"].support(site["value"]))
-            if not inside.all():
-                bad = np.asarray(site["value"])[~inside] if inside.shape == np.shape(
-                    site["value"]) else np.asarray(site["value"]).ravel()[:5]
-                raise ValueError(f"{who}: observed site '{name}' has values outside its "
-                                 f"distribution's support {site['fn'].support} (e.g. "
-                                 f"{np.unique(bad)[:5].tolist()})")
+        if pooled:  # the pooled rows' observations and indices were checked: shapes only
+            got = _local_shapes(guide.model, clients.client(k), model_kwargs, want, who)
+        else:
+            got = _checked_shapes(guide.model, clients.client(k), model_kwargs, want, who)
         for name, shape in want.items():
-            if name not in tr:
+            if name not in got:
                 raise ValueError(f"{who}: the model has no local site '{name}' with this "
                                  "client's data")
-            got = tuple(jnp.shape(tr[name]["value"]))
-            if got != shape:
+            if got[name] != shape:
                 raise ValueError(
-                    f"local site '{name}' has shape {got} for {who} but {shape} for "
-                    f"{clients.names[0]}; every client's private guide must have one shape. Give "
-                    "the model the number of groups as a static keyword argument (the largest "
-                    "over clients; groups without data keep their prior)"
+                    f"local site '{name}' has shape {got[name]} for {who} but {shape} for "
+                    f"{clients.names[0]}; every client's private guide must have one shape. "
+                    "Give the model the number of groups as a static keyword argument (the "
+                    "largest over clients; groups without data keep their prior)"
                 )
+
+
+def _local_shapes(model: Callable, data: tuple, model_kwargs: dict, names: dict,
+                  who: str) -> dict[str, tuple]:
+    """The shapes of the local sites ``names`` on one client's data, from an abstract trace of
+    the model (no program compiled: run op by op, each new data shape compiled each of the
+    model's operations, a second or so per client); a model that reads its data's values
+    while tracing runs op by op."""
+    from numpyro import handlers
+
+    def values(*arrays):
+        tr = handlers.trace(handlers.seed(model, 0)).get_trace(*arrays, **model_kwargs)
+        return {name: tr[name]["value"] for name in names if name in tr}
+
+    try:
+        try:
+            out = jax.eval_shape(values, *data)
+        except (jax.errors.ConcretizationTypeError, jax.errors.TracerBoolConversionError,
+                jax.errors.TracerIntegerConversionError, jax.errors.TracerArrayConversionError,
+                TypeError):
+            out = values(*data)
+    except Exception as err:  # the model's own error, with the client's name
+        raise ValueError(f"{who}: the model fails on this client's data: {err}") from err
+    return {name: tuple(jnp.shape(v)) for name, v in out.items()}
+
+
+def _checked_shapes(model: Callable, data: tuple, model_kwargs: dict, names: dict,
+                    who: str) -> dict[str, tuple]:
+    """One client's observations in their support and indices in range (an error naming
+    ``who`` otherwise), and the shapes of its local sites ``names``: the model run on the
+    client's data (where the pooled rows failed a check, to find the client that fails it)."""
+    from numpyro import handlers
+
+    try:
+        tr = handlers.trace(handlers.seed(model, 0)).get_trace(*data, **model_kwargs)
+    except Exception as err:  # the model's own error, with the client's name
+        raise ValueError(f"{who}: the model fails on this client's data: {err}") from err
+    validation.indices_in_range(model, data, model_kwargs, tr, who)
+    for name, site in tr.items():
+        if site["type"] != "sample" or not site["is_observed"]:
+            continue
+        inside = np.asarray(site["fn"].support(site["value"]))
+        if not inside.all():
+            bad = np.asarray(site["value"])[~inside] if inside.shape == np.shape(
+                site["value"]) else np.asarray(site["value"]).ravel()[:5]
+            raise ValueError(f"{who}: observed site '{name}' has values outside its "
+                             f"distribution's support {site['fn'].support} (e.g. "
+                             f"{np.unique(bad)[:5].tolist()})")
+    return {name: tuple(jnp.shape(tr[name]["value"])) for name in names if name in tr}
 
 
 def _observations_in_support(model: Callable, data: tuple, model_kwargs: dict) -> bool:
