@@ -110,10 +110,19 @@ def sample(key: Array, p: Proposal, num_draws: int) -> Array:
 
 def mixture_log_prob(proposals: list[Proposal], counts: list[int], x: Array) -> Array:
     """Log density at ``x`` of the mixture of ``proposals`` weighted by their draw counts (the
-    deterministic-mixture denominator of AMIS)."""
-    logs = jnp.stack([log_prob(p, x) + jnp.log(n) for p, n in zip(proposals, counts,
-                                                                  strict=True)])
-    return logsumexp(logs, axis=0) - jnp.log(sum(counts))
+    deterministic-mixture denominator of AMIS). One compiled program per number of proposals
+    and of draws (the server evaluates it after every round, on every draw so far: op by op,
+    each round's new shapes compiled each operation again)."""
+    if len(proposals) != len(counts):
+        raise ValueError(f"{len(proposals)} proposals but {len(counts)} draw counts")
+    return _mixture_log_prob(tuple(proposals), np.asarray(counts, float), x)
+
+
+@jax.jit
+def _mixture_log_prob(proposals: tuple[Proposal, ...], counts: Array, x: Array) -> Array:
+    logs = jnp.stack([log_prob(p, x) for p in proposals])
+    counts = counts.astype(logs.dtype)
+    return logsumexp(logs + jnp.log(counts)[:, None], axis=0) - jnp.log(jnp.sum(counts))
 
 
 # -- the client's side ---------------------------------------------------------------------------
