@@ -344,7 +344,7 @@ def num_bytes(g: Gaussian) -> int:
         per = d + d * (d + 1) // 2
         lead = g.nat1.size // d
         return int(lead * per * g.nat1.dtype.itemsize)
-    return int(g.nat1.nbytes + g.prec.nbytes)
+    return int((g.nat1.size + g.prec.size) * g.nat1.dtype.itemsize)  # arrays or their shapes
 
 
 # -- a client's joint over global and local coordinates ------------------------------------------

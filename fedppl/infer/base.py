@@ -59,7 +59,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax import Array
 
-from fedppl import validation
+from fedppl import trees, validation
 from fedppl.algorithms.trio import Trio, sent
 from fedppl.clients import Clients
 from fedppl.infer.round_log import Progress
@@ -192,8 +192,10 @@ class RunState(NamedTuple):
 
 
 def num_bytes(tree: Any) -> int:
-    """Bytes in a pytree's arrays (what a message or broadcast costs on the wire)."""
-    return int(sum(np.asarray(x).nbytes for x in jax.tree_util.tree_leaves(tree)))
+    """Bytes in a pytree's arrays (what a message or broadcast costs on the wire), read from
+    their shapes and dtypes (arrays or ``jax.ShapeDtypeStruct``)."""
+    return int(sum(math.prod(np.shape(x)) * np.dtype(x.dtype).itemsize if hasattr(x, "dtype")
+                   else np.asarray(x).nbytes for x in jax.tree_util.tree_leaves(tree)))
 
 
 @dataclass(kw_only=True)
@@ -328,8 +330,9 @@ class FederatedMethod:
         return np.zeros(len(active), bool)
 
     def _message_bytes(self, messages: Any) -> int:
-        """Bytes of one client's message (messages stacked on the client axis)."""
-        return num_bytes(jax.tree_util.tree_map(lambda x: x[0], messages))
+        """Bytes of one client's message (messages stacked on the client axis), from shapes
+        (indexing one client out compiled a program per shape)."""
+        return num_bytes(jax.eval_shape(trees.first, messages))
 
     def _broadcast_bytes(self, server: Any) -> int:
         """Bytes of what the server sends each client taking part (``server``: the trio's

@@ -63,8 +63,9 @@ def line_search_for(line_search: bool | str | None, privacy: Any, data_at_server
 
 
 def message_bytes(msgs: Any) -> int:
-    """Bytes of one client's factor update (messages stacked on the client axis)."""
-    return g.num_bytes(trees.first(msgs.delta))
+    """Bytes of one client's factor update (messages stacked on the client axis), from shapes
+    (indexing one client out compiled a program per shape)."""
+    return g.num_bytes(jax.eval_shape(trees.first, msgs.delta))
 
 
 def broadcast_bytes(server: pvi.ServerState) -> int:

@@ -34,7 +34,7 @@ import optax
 from jax import Array
 from jax.scipy.special import logsumexp
 
-from fedppl import metrics
+from fedppl import metrics, trees
 from fedppl import validation as check
 from fedppl.algorithms import sgp_pvi
 from fedppl.clients import Clients
@@ -340,7 +340,7 @@ class FederatedSGP(FederatedMethod):
                       "communications": comms, "passes": comms / K}
 
     def _message_bytes(self, msgs: sgp_pvi.Message) -> int:
-        spec, one = self._spec(0), jax.tree_util.tree_map(lambda x: x[0], msgs)
+        spec, one = self._spec(0), jax.eval_shape(trees.first, msgs)  # shapes: nothing compiled
         sent = [one.pseudo]
         sent += [g.num_bytes(one.t_beta)] if spec.learn_hyper else []
         sent += [g.num_bytes(one.t_z)] if spec.z_mode == "hvm" else []
