@@ -107,21 +107,22 @@ class Clients:
     @property
     def stacked(self) -> tuple[jnp.ndarray, ...]:
         """Arrays padded with zeros to ``N_max`` rows and stacked: ``(K, N_max, ...)`` each."""
-        n = self.max_size
-        out = []
-        for i in range(len(self.data[0])):
-            parts = []
-            for d in self.data:
-                a = np.asarray(d[i])
-                pad = [(0, n - a.shape[0])] + [(0, 0)] * (a.ndim - 1)
-                parts.append(np.pad(a, pad))
-            out.append(jnp.asarray(np.stack(parts)))
-        return tuple(out)
+        rows = [self.padded(k)[0] for k in range(self.num_clients)]
+        return tuple(jnp.asarray(np.stack(parts)) for parts in zip(*rows, strict=True))
 
     @property
     def mask(self) -> jnp.ndarray:
         """``(K, N_max)`` booleans, True at each client's real rows."""
         return jnp.asarray(np.arange(self.max_size)[None, :] < self.sizes[:, None])
+
+    def padded(self, k: int) -> tuple[tuple[np.ndarray, ...], np.ndarray]:
+        """Client ``k``'s arrays padded with zeros to ``N_max`` rows, and its mask: entry ``k``
+        of :attr:`stacked` and :attr:`mask`, on the host (indexing the stacked arrays compiles
+        a program per shape)."""
+        n = self.max_size
+        arrays = tuple(np.pad(a, [(0, n - a.shape[0])] + [(0, 0)] * (a.ndim - 1))
+                       for a in map(np.asarray, self.data[k]))
+        return arrays, np.arange(n) < self.sizes[k]
 
     def client(self, k: int) -> tuple[np.ndarray, ...]:
         """Client ``k``'s arrays, unpadded."""

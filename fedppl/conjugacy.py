@@ -36,6 +36,7 @@ import numpyro.distributions as dist
 from jax import Array
 from numpyro import handlers
 
+from fedppl.model_call import READS_VALUES
 from fedppl.sites import SiteLayout, cast_floats, is_identity
 
 __all__ = ["NotConjugate", "ObservedSite", "observed_sites", "affine_reason",
@@ -99,16 +100,21 @@ def affine_reason(fn: Callable[[Array], Array], dim: int, dtype: Any, seed: int 
     it, or ``100 * eps`` of it where the dtype's rounding is coarser (``J @ theta`` and
     ``fn(theta)`` round differently, by up to a few ``eps`` of those terms each)."""
     theta0 = jnp.zeros(dim, dtype=dtype)
-    loc0 = fn(theta0)
-    J = jax.jacfwd(fn)(theta0)
-    rel = max(1e-5, 100 * float(jnp.finfo(loc0.dtype).eps))
+    value, jacobian = jax.jit(fn), jax.jit(jax.jacfwd(fn))  # not op by op: see model_call
+    try:
+        loc0, J = value(theta0), jacobian(theta0)
+    except READS_VALUES:
+        value, jacobian = fn, jax.jacfwd(fn)
+        loc0, J = value(theta0), jacobian(theta0)
+    loc0, J = np.asarray(loc0), np.asarray(J)
+    rel = max(1e-5, 100 * float(np.finfo(loc0.dtype).eps))
     rng = np.random.default_rng(seed)
     for _ in range(2):
         theta = jnp.asarray(rng.normal(size=dim) * 3.0, dtype=dtype)
-        loc = fn(theta)
-        size = jnp.abs(loc0) + jnp.abs(J) @ jnp.abs(theta)
-        tol = rel * (1.0 + jnp.maximum(jnp.max(jnp.abs(loc)), size))
-        if not bool(jnp.all(jnp.abs(loc - (loc0 + J @ theta)) <= tol)):
+        loc = np.asarray(value(theta))
+        size = np.abs(loc0) + np.abs(J) @ np.abs(np.asarray(theta))
+        tol = rel * (1.0 + np.maximum(np.max(np.abs(loc)), size))
+        if not np.all(np.abs(loc - (loc0 + J @ np.asarray(theta))) <= tol):
             return f"{what} is not affine in the global sites"
     return None
 

@@ -2,7 +2,10 @@
 
 :func:`positional` lets a model whose data arguments are keyword-only (``def model(*, X,
 y=None)``) take them positionally; :func:`model_error` re-raises a model's failure on a
-client's data with the model's argument names and the arrays' shapes.
+client's data with the model's argument names and the arrays' shapes. fedppl traces a model
+(compiles it, or finds its shapes) rather than running it op by op, where each new data shape
+compiles each operation again; :data:`READS_VALUES` are the errors of a model that reads its
+data's values while tracing (``int(g.max()) + 1`` groups), which then runs op by op.
 """
 
 from __future__ import annotations
@@ -12,9 +15,15 @@ import inspect
 from collections.abc import Callable
 from typing import Any
 
+import jax
 import numpy as np
 
-__all__ = ["KeywordData", "positional", "model_name", "arg_names", "model_error"]
+__all__ = ["KeywordData", "positional", "model_name", "arg_names", "model_error", "READS_VALUES"]
+
+#: what tracing a model that reads its data's values raises (run it op by op instead)
+READS_VALUES = (jax.errors.ConcretizationTypeError, jax.errors.TracerBoolConversionError,
+                jax.errors.TracerIntegerConversionError, jax.errors.TracerArrayConversionError,
+                TypeError)
 
 
 class KeywordData:

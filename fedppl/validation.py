@@ -27,6 +27,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from fedppl.model_call import READS_VALUES
+
 __all__ = ["pvi_settings", "positive_int", "positive", "fraction", "one_of", "optimizer", "rng_key",
            "labels_in", "inputs_2d", "indices_in_range", "warn"]
 
@@ -164,9 +166,7 @@ def indices_in_range(model: Any, data: tuple, model_kwargs: dict, trace: dict, w
     checked = checkify.checkify(density, errors=checkify.index_checks)
     try:
         err, _ = jax.jit(checked)(latent, tuple(data))
-    except (jax.errors.ConcretizationTypeError, jax.errors.TracerBoolConversionError,
-            jax.errors.TracerIntegerConversionError, jax.errors.TracerArrayConversionError,
-            TypeError):
+    except READS_VALUES:
         err, _ = checked(latent, tuple(data))
     bad = err.get_exception()
     if bad is None:

@@ -25,6 +25,12 @@ def test_homogeneous_covers_every_row_once(xy):
     assert Xs.shape == (10, 11, 4) and ys.shape == (10, 11)
     assert int(c.mask.sum()) == 103
     assert np.all(np.asarray(Xs)[~np.asarray(c.mask)] == 0)
+    for k in (0, 3, 9):  # one client's padded arrays and mask, on the host
+        (Xk, yk), mk = c.padded(k)
+        assert isinstance(Xk, np.ndarray) and isinstance(mk, np.ndarray)
+        np.testing.assert_array_equal(Xk, Xs[k])
+        np.testing.assert_array_equal(yk, ys[k])
+        np.testing.assert_array_equal(mk, c.mask[k])
 
 
 def test_by_feature_sorts_by_the_most_correlated_feature(xy):

@@ -172,8 +172,8 @@ def choose_solver(settings: Settings, model: Callable, guide: PVIGuide, clients:
                                                    opt(settings.local_tol, 1e-10)),
                       prior_solver, None)
     if conj is not False and reason is None and privacy is None:
-        data = tuple(a[0] for a in clients.stacked)
-        why = conjugate.check(client(model, mask=clients.mask[0]), layout, *data)
+        data, mask = clients.padded(0)
+        why = conjugate.check(client(model, mask=mask), layout, *data)
         if why is None:
             return Choice(pvi.ConjugateSolver(model, guide), prior_solver, None)
         if conj is True:

@@ -17,6 +17,7 @@ from fedppl import validation
 from fedppl.algorithms import natural_gradient, solvers
 from fedppl.clients import Clients
 from fedppl.guides.pvi_guide import PVIGuide
+from fedppl.model_call import READS_VALUES
 
 __all__ = ["check_clients", "hint_local_sites"]
 
@@ -66,9 +67,7 @@ def _local_shapes(model: Callable, data: tuple, model_kwargs: dict, names: dict,
     try:
         try:
             out = jax.eval_shape(values, *data)
-        except (jax.errors.ConcretizationTypeError, jax.errors.TracerBoolConversionError,
-                jax.errors.TracerIntegerConversionError, jax.errors.TracerArrayConversionError,
-                TypeError):
+        except READS_VALUES:
             out = values(*data)
     except Exception as err:  # the model's own error, with the client's name
         raise ValueError(f"{who}: the model fails on this client's data: {err}") from err

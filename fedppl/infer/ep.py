@@ -244,8 +244,8 @@ class EP(FederatedMethod):
             if share is not None:
                 raise ValueError("tilted='exact' needs a prior that is Gaussian in the "
                                  "unconstrained space of the global sites")
-            data = tuple(a[0] for a in clients.stacked)
-            why = (conjugate.check(client(model, mask=clients.mask[0]), layout, *data)
+            data, mask = clients.padded(0)
+            why = (conjugate.check(client(model, mask=mask), layout, *data)
                    if guide.local_layout is None else "the model has local latent sites")
             if why is not None:
                 raise ValueError(f"tilted='exact' needs a Gaussian likelihood affine in the "

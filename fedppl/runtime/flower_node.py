@@ -142,8 +142,7 @@ class Node:
         trio, full = seen["trio"], shapes(seen["server"])
         server = shapes(sent(trio, seen["server"]))  # what the server sends (its broadcast)
         client = shapes(index(seen["clients"], 0))
-        data = tuple(a[0] for a in clients.stacked)
-        mask = clients.mask[0]
+        data, mask = clients.padded(0)
         msg = jax.eval_shape(trio.client_update, server, client, data, mask,
                              jax.random.key(0), jnp.asarray(0))[0]
         candidates: list = []
