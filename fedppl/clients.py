@@ -107,7 +107,8 @@ class Clients:
     @property
     def stacked(self) -> tuple[jnp.ndarray, ...]:
         """Arrays padded with zeros to ``N_max`` rows and stacked: ``(K, N_max, ...)`` each."""
-        rows = [self.padded(k)[0] for k in range(self.num_clients)]
+        n = self.max_size
+        rows = [self._padded(k, n)[0] for k in range(self.num_clients)]
         return tuple(jnp.asarray(np.stack(parts)) for parts in zip(*rows, strict=True))
 
     @property
@@ -119,10 +120,13 @@ class Clients:
         """Client ``k``'s arrays padded with zeros to ``N_max`` rows, and its mask: entry ``k``
         of :attr:`stacked` and :attr:`mask`, on the host (indexing the stacked arrays compiles
         a program per shape)."""
-        n = self.max_size
-        arrays = tuple(np.pad(a, [(0, n - a.shape[0])] + [(0, 0)] * (a.ndim - 1))
+        return self._padded(k, self.max_size)
+
+    def _padded(self, k: int, n: int) -> tuple[tuple[np.ndarray, ...], np.ndarray]:
+        rows = np.shape(self.data[k][0])[0]
+        arrays = tuple(np.pad(a, [(0, n - rows)] + [(0, 0)] * (a.ndim - 1))
                        for a in map(np.asarray, self.data[k]))
-        return arrays, np.arange(n) < self.sizes[k]
+        return arrays, np.arange(n) < rows
 
     def client(self, k: int) -> tuple[np.ndarray, ...]:
         """Client ``k``'s arrays, unpadded."""

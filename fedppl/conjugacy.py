@@ -111,10 +111,10 @@ def affine_reason(fn: Callable[[Array], Array], dim: int, dtype: Any, seed: int 
     rng = np.random.default_rng(seed)
     for _ in range(2):
         theta = jnp.asarray(rng.normal(size=dim) * 3.0, dtype=dtype)
-        loc = np.asarray(value(theta))
-        size = np.abs(loc0) + np.abs(J) @ np.abs(np.asarray(theta))
+        loc, t = np.asarray(value(theta)), np.asarray(theta)
+        size = np.abs(loc0) + np.abs(J) @ np.abs(t)
         tol = rel * (1.0 + np.maximum(np.max(np.abs(loc)), size))
-        if not np.all(np.abs(loc - (loc0 + J @ np.asarray(theta))) <= tol):
+        if not np.all(np.abs(loc - (loc0 + J @ t)) <= tol):
             return f"{what} is not affine in the global sites"
     return None
 

@@ -15,15 +15,14 @@ import inspect
 from collections.abc import Callable
 from typing import Any
 
-import jax
 import numpy as np
 
 __all__ = ["KeywordData", "positional", "model_name", "arg_names", "model_error", "READS_VALUES"]
 
-#: what tracing a model that reads its data's values raises (run it op by op instead)
-READS_VALUES = (jax.errors.ConcretizationTypeError, jax.errors.TracerBoolConversionError,
-                jax.errors.TracerIntegerConversionError, jax.errors.TracerArrayConversionError,
-                TypeError)
+#: what tracing a model that reads its data's values raises (run it op by op instead): JAX's
+#: concretization and tracer-conversion errors are ``TypeError``s, as is a data argument that
+#: is not an array
+READS_VALUES = (TypeError,)
 
 
 class KeywordData:

@@ -34,11 +34,12 @@ def check_clients(guide: PVIGuide, clients: Clients, model_kwargs: dict) -> None
     if not want and pooled:
         return  # one trace of the pooled rows; each client's is run to name a failing one
     for k in range(clients.num_clients):
-        who = clients.names[k]
+        who, data = clients.names[k], clients.client(k)
         if pooled:  # the pooled rows' observations and indices were checked: shapes only
-            got = _local_shapes(guide.model, clients.client(k), model_kwargs, want, who)
+            got = _local_shapes(guide.model, data, model_kwargs, want, who)
         else:
-            got = _checked_shapes(guide.model, clients.client(k), model_kwargs, want, who)
+            tr = _checked_trace(guide.model, data, model_kwargs, who)
+            got = {name: tuple(jnp.shape(tr[name]["value"])) for name in want if name in tr}
         for name, shape in want.items():
             if name not in got:
                 raise ValueError(f"{who}: the model has no local site '{name}' with this "
@@ -52,16 +53,21 @@ def check_clients(guide: PVIGuide, clients: Clients, model_kwargs: dict) -> None
                 )
 
 
+def _trace(model: Callable, data: tuple, model_kwargs: dict) -> dict:
+    from numpyro import handlers
+
+    return handlers.trace(handlers.seed(model, 0)).get_trace(*data, **model_kwargs)
+
+
 def _local_shapes(model: Callable, data: tuple, model_kwargs: dict, names: dict,
                   who: str) -> dict[str, tuple]:
     """The shapes of the local sites ``names`` on one client's data, from an abstract trace of
     the model (no program compiled: run op by op, each new data shape compiled each of the
     model's operations, a second or so per client); a model that reads its data's values
     while tracing runs op by op."""
-    from numpyro import handlers
 
     def values(*arrays):
-        tr = handlers.trace(handlers.seed(model, 0)).get_trace(*arrays, **model_kwargs)
+        tr = _trace(model, arrays, model_kwargs)
         return {name: tr[name]["value"] for name in names if name in tr}
 
     try:
@@ -74,15 +80,11 @@ def _local_shapes(model: Callable, data: tuple, model_kwargs: dict, names: dict,
     return {name: tuple(jnp.shape(v)) for name, v in out.items()}
 
 
-def _checked_shapes(model: Callable, data: tuple, model_kwargs: dict, names: dict,
-                    who: str) -> dict[str, tuple]:
-    """One client's observations in their support and indices in range (an error naming
-    ``who`` otherwise), and the shapes of its local sites ``names``: the model run on the
-    client's data (where the pooled rows failed a check, to find the client that fails it)."""
-    from numpyro import handlers
-
+def _checked_trace(model: Callable, data: tuple, model_kwargs: dict, who: str) -> dict:
+    """The model's trace on ``data``, whose observations lie in their support and whose
+    indices are in range: a ``ValueError`` naming ``who`` otherwise."""
     try:
-        tr = handlers.trace(handlers.seed(model, 0)).get_trace(*data, **model_kwargs)
+        tr = _trace(model, data, model_kwargs)
     except Exception as err:  # the model's own error, with the client's name
         raise ValueError(f"{who}: the model fails on this client's data: {err}") from err
     validation.indices_in_range(model, data, model_kwargs, tr, who)
@@ -96,21 +98,17 @@ def _checked_shapes(model: Callable, data: tuple, model_kwargs: dict, names: dic
             raise ValueError(f"{who}: observed site '{name}' has values outside its "
                              f"distribution's support {site['fn'].support} (e.g. "
                              f"{np.unique(bad)[:5].tolist()})")
-    return {name: tuple(jnp.shape(tr[name]["value"])) for name in names if name in tr}
+    return tr
 
 
 def _observations_in_support(model: Callable, data: tuple, model_kwargs: dict) -> bool:
     """Whether the model runs on ``data`` with every observation in its likelihood's support
     and every index in range."""
-    from numpyro import handlers
-
     try:
-        tr = handlers.trace(handlers.seed(model, 0)).get_trace(*data, **model_kwargs)
-        validation.indices_in_range(model, data, model_kwargs, tr, "pooled")
+        _checked_trace(model, data, model_kwargs, "pooled")
     except Exception:
         return False
-    return all(bool(np.all(site["fn"].support(site["value"]))) for site in tr.values()
-               if site["type"] == "sample" and site["is_observed"])
+    return True
 
 
 def hint_local_sites(guide: PVIGuide, clients: Clients, model_kwargs: dict) -> None:
