@@ -7,12 +7,14 @@ start from a reference ``q0`` (a federated answer's Gaussian) and the likelihood
 tempering, ``pi_b ∝ q0^(1 - b) pi^b`` for ``b`` from 0 to 1 (Del Moral, Doucet and Jasra, 2006).
 Each round, in one exchange:
 
-* the server sends the particles ``theta``, a proposal ``theta'`` for each, the ancestors of the
-  last resampling and the temperature (:class:`Broadcast`: nothing else leaves the server);
+* the server sends the particles ``theta``, a proposal ``theta'`` for each (and which were
+  drawn independently of their particle), the ancestors of the last resampling and the
+  temperature (:class:`Broadcast`: nothing else leaves the server);
 * each client sends back, per particle, its log-likelihood at ``theta`` and at ``theta'``
   (:class:`Message`: ``2 N`` numbers, never a record, never a local site);
 * the server accepts or rejects each move by Metropolis-Hastings from the sums over clients
-  (its own prior and ``q0`` terms added); once enough particles have moved at this temperature,
+  (its own prior and ``q0`` terms added), and tells the clients where each particle is now (its
+  old place or a proposal's); once enough particles have moved at this temperature,
   it picks the next one so that the effective sample size of the incremental weights
   ``(b' - b) * log-likelihood`` stays near ``ess_target * N`` (reusing numbers already sent: no
   extra round), resamples within each island (systematic), and draws the next proposals.
@@ -32,8 +34,13 @@ variance is small.
 The moves: with probability ``independent`` an independence proposal from a scale mixture of
 Gaussians fitted to the particles (mean and covariance, times each of ``scales``: the wider
 components let a cloud that started too narrow grow), else a random walk with the particles'
-covariance, its scale tuned towards ``rw_target`` acceptance. The mixture's density enters the
-acceptance ratio, so each move leaves the tempered target invariant.
+covariance, its scale tuned towards ``rw_target`` acceptance; each is accepted by its own
+Metropolis-Hastings ratio (the mixture's density enters the independence one), so each move
+leaves the tempered target invariant. A client estimates an independence proposal with fresh
+auxiliary draws (a random walk keeps the particle's), so the proposal with its estimate is a
+draw independent of every particle: after its own move, each particle takes ``pool_steps``
+further independence steps over the other independence proposals of its island
+(:func:`pool_moves`). Those cost the clients nothing: they evaluated every proposal already.
 
 ``islands``: the particles are split into equal islands that are resampled separately (the
 temperature and the proposals are shared), so the spread of the islands' means gives an honest
@@ -72,7 +79,7 @@ from fedppl.families import gaussian as g
 
 __all__ = ["Settings", "Broadcast", "ServerState", "ClientState", "Pending", "Message", "Reply",
            "server_init", "client_init", "make_trio", "next_temperature",
-           "island_ess", "resample", "propose", "log_proposal"]
+           "island_ess", "resample", "propose", "log_independent", "pool_moves"]
 
 
 #: nats: a client's log-likelihood beyond this in size is refused (no data set gives one)
@@ -88,7 +95,8 @@ class Settings(NamedTuple):
     ``renew`` (the share of particles that must have moved at a temperature before the next);
     ``independent`` (the share of independence proposals), ``scales`` (their covariance
     multipliers), ``rw_target`` (the random walk's acceptance), ``batch_size`` (particles a
-    client evaluates at once)."""
+    client evaluates at once), ``pool_steps`` (each particle's further independence steps per
+    round over its island's independence proposals: :func:`pool_moves`; 0: none)."""
 
     num_particles: int = 1000
     islands: int = 10
@@ -101,19 +109,23 @@ class Settings(NamedTuple):
     scales: tuple[float, ...] = (1.0, 2.0, 4.0)
     rw_target: float = 0.3
     batch_size: int = 256
+    pool_steps: int = 0
 
 
 class Broadcast(NamedTuple):
     """What the server sends every client: the particles ``(N, D)``, a proposal for each
     ``(N, D)``, the ancestors of the last resampling ``(N,)`` (indices into the clients' own
-    particles before it), the temperature, and whether this is the first round (the clients set
-    their particles up at ``theta`` and nothing moves)."""
+    particles before it), the temperature, whether this is the first round (the clients set
+    their particles up at ``theta`` and nothing moves), and which proposals were drawn
+    independently of their particle ``(N,)`` (a client estimates those with fresh auxiliary
+    draws, so that any particle of the island can move there)."""
 
     theta: Array
     proposal: Array
     ancestors: Array
     beta: Array
     start: Array
+    fresh: Array
 
 
 class ServerState(NamedTuple):
@@ -147,12 +159,13 @@ class ServerState(NamedTuple):
 
 
 class Pending(NamedTuple):
-    """What a client's last step proposed, one part of which the server's reply selects: the
-    keys and estimates after its refresh, and the Laplace fits and estimates at the
+    """What a client's last step proposed, the parts of which the server's reply selects: the
+    keys and estimates after its refresh, and the keys, Laplace fits and estimates at the
     proposals."""
 
     keys: Array
     estimate: Array
+    proposal_keys: Array
     mode: Array
     chol: Array
     moved: Array
@@ -189,11 +202,13 @@ class Message(NamedTuple):
 
 
 class Reply(NamedTuple):
-    """The server's reply: which particles moved ``(N,)``; ``keep`` (False: the round was void,
-    a client's message missing or refused; every client undoes its refresh); ``refused``
-    (this client's message was refused, or never came)."""
+    """The server's reply: where each particle is now ``(N,)``, an index into the particles
+    (``i``: it stayed) followed by the proposals (``N + j``: it moved to proposal ``j``, its
+    own or, by :func:`pool_moves`, another of its island's); ``keep`` (False: the round was
+    void, a client's message missing or refused; every client undoes its refresh);
+    ``refused`` (this client's message was refused, or never came)."""
 
-    accepted: Array
+    source: Array
     keep: Array
     refused: Array
 
@@ -265,22 +280,59 @@ def propose(key: Array, theta: Array, centre: Array, chol: Array, rw_scale: Arra
             jnp.where(independent, comp + 1, 0).astype(jnp.int32))
 
 
-def log_proposal(to: Array, frm: Array, centre: Array, chol: Array, rw_scale: Array,
-                 settings: Settings) -> Array:
-    """Log density of proposing ``to`` from ``frm`` (rows) under the mixture of :func:`propose`."""
-    D = to.shape[1]
+def log_independent(x: Array, centre: Array, chol: Array, settings: Settings) -> Array:
+    """Log density at each row of ``x`` of the independence proposals' scale mixture (equal
+    weights on ``N(centre, c chol chol')`` for each ``c`` in ``scales``)."""
+    D = x.shape[1]
+    u = jax.scipy.linalg.solve_triangular(chol, (x - centre).T, lower=True).T
+    r2 = jnp.sum(u**2, -1)
+    base = -jnp.sum(jnp.log(jnp.diagonal(chol))) - 0.5 * D * jnp.log(2 * jnp.pi)
+    parts = [base - 0.5 * r2 / c - 0.5 * D * jnp.log(c) for c in settings.scales]
+    return logsumexp(jnp.stack(parts), axis=0) - jnp.log(len(settings.scales))
 
-    def log_normal(x, mean, scale):  # N(mean, scale^2 chol chol')
-        u = jax.scipy.linalg.solve_triangular(chol, (x - mean).T, lower=True).T / scale
-        return (-0.5 * jnp.sum(u**2, -1) - D * jnp.log(scale)
-                - jnp.sum(jnp.log(jnp.diagonal(chol))) - 0.5 * D * jnp.log(2 * jnp.pi))
 
-    scales = jnp.asarray(settings.scales, to.dtype)
-    parts = [jnp.log(settings.independent / len(settings.scales))
-             + log_normal(to, centre, jnp.sqrt(c)) for c in scales]
-    if settings.independent < 1:
-        parts.append(jnp.log1p(-settings.independent) + log_normal(to, frm, rw_scale))
-    return logsumexp(jnp.stack(parts), axis=0)
+def pool_moves(key: Array, weight: Array, pool: Array, usable: Array, islands: int,
+               steps: int) -> tuple[Array, Array]:
+    """Independence Metropolis-Hastings steps over a shared pool, each particle on its own.
+
+    ``weight`` ``(N,)``: each particle's log target over the independence proposals' density
+    at its position; ``pool`` ``(N,)``: the same at each proposal; ``usable``: the proposals
+    drawn independently of their particle. In step ``t`` the particle at place ``j`` of its
+    island (``n`` particles) is offered proposal ``(j + o_t) mod n`` of the same island, the
+    offsets ``o_t`` distinct and never 0, and moves there with probability
+    ``min(1, exp(pool - weight))``. A particle thus meets only proposals drawn independently of
+    it and of each other, each once: every step is an independence sampler's step, and the
+    target stays invariant for each particle. Particles of one island may move to the same
+    proposal (the islands stay independent: their spread is still the Monte Carlo error).
+    Returns the new weights and, per particle, the proposal it moved to last (-1: none).
+
+    >>> import jax.numpy as jnp
+    >>> w, pick = pool_moves(jax.random.key(0), jnp.zeros(4), jnp.asarray([9., 9., 9., 9.]),
+    ...                      jnp.asarray([True, False, True, False]), islands=2, steps=1)
+    >>> pick.tolist()  # each particle offered its island's other proposal; 1 and 3 are walks
+    [-1, 0, -1, 2]
+    """
+    N = weight.shape[0]
+    n = N // islands
+    steps = min(steps, n - 1)
+    if steps <= 0:
+        return weight, jnp.full(N, -1, jnp.int32)
+    k_off, k_u = jax.random.split(key)
+    offsets = (1 + jax.random.permutation(k_off, n - 1)[:steps]).astype(jnp.int32)
+    log_u = jnp.log(jax.random.uniform(k_u, (steps, N), weight.dtype))
+    place = jnp.arange(N, dtype=jnp.int32)
+    first = place - place % n
+
+    def step(carry, xs):
+        w, pick = carry
+        offset, lu = xs
+        c = first + (place % n + offset) % n
+        ok = usable[c] & (lu < jnp.nan_to_num(pool[c] - w, nan=-jnp.inf))
+        return (jnp.where(ok, pool[c], w), jnp.where(ok, c, pick)), None
+
+    (weight, pick), _ = jax.lax.scan(step, (weight, jnp.full(N, -1, jnp.int32)),
+                                     (offsets, log_u))
+    return weight, pick.astype(jnp.int32)
 
 
 def server_init(key: Array, q0: g.Gaussian, num_clients: int, settings: Settings
@@ -311,7 +363,7 @@ def client_init(num_particles: int, local_dim: int, guide: g.Conditional | None,
     keys = jnp.zeros((N, *key_shape), jnp.uint32)
     mode, chol = jnp.zeros((N, d), dtype), jnp.broadcast_to(jnp.eye(d, dtype=dtype), (N, d, d))
     zero = jnp.zeros(N, dtype)
-    return ClientState(keys, mode, chol, zero, guide, Pending(keys, zero, mode, chol, zero))
+    return ClientState(keys, mode, chol, zero, guide, Pending(keys, zero, keys, mode, chol, zero))
 
 
 # -- the trio ----------------------------------------------------------------------------------
@@ -359,7 +411,7 @@ def make_trio(log_lik: Callable, log_prior: Callable, local_dim: int, settings: 
         keys = jax.random.key_data(jax.random.split(key, N))
         mode, chol = fits(f, bc.theta, client.guide, client.mode)
         est, var = estimates(f, bc.theta, keys, mode, chol)
-        pending = Pending(keys, est, mode, chol, est)
+        pending = Pending(keys, est, keys, mode, chol, est)
         return (Message(est, est, jnp.ones((), est.dtype), jnp.median(var)),
                 ClientState(keys, mode, chol, est, client.guide, pending))
 
@@ -367,7 +419,7 @@ def make_trio(log_lik: Callable, log_prior: Callable, local_dim: int, settings: 
         # the particles as the server resampled them (its guide and last proposal as they are)
         keys, mode, chol, est = (x[bc.ancestors] for x in client[:4])
         before = ClientState(keys, mode, chol, est, client.guide, client.pending)
-        k_refresh, _ = jax.random.split(key)
+        k_refresh, k_fresh = jax.random.split(key)
         rate = jnp.ones((), est.dtype)
         if d > 0 and settings.refreshes > 0:  # the auxiliary draws, refreshed at the client
             total = jnp.zeros((), est.dtype)
@@ -381,10 +433,14 @@ def make_trio(log_lik: Callable, log_prior: Callable, local_dim: int, settings: 
                 est = jnp.where(ok, new_est, est)
                 total = total + jnp.mean(ok)
             rate = total / settings.refreshes
+        # a move to a proposal keeps the particle's draws (its estimate there is correlated
+        # with the current one); one drawn independently of the particle gets fresh draws
+        fresh = jax.random.key_data(jax.random.split(k_fresh, keys.shape[0]))
+        proposal_keys = jnp.where(bc.fresh[:, None], fresh, keys)
         mode, chol = fits(f, bc.proposal, client.guide, before.mode)
-        moved, var = estimates(f, bc.proposal, keys, mode, chol)
+        moved, var = estimates(f, bc.proposal, proposal_keys, mode, chol)
         return (Message(est, moved, rate, jnp.median(var)),
-                before._replace(pending=Pending(keys, est, mode, chol, moved)))
+                before._replace(pending=Pending(keys, est, proposal_keys, mode, chol, moved)))
 
     def client_update(bc: Broadcast, client: ClientState, data, mask, key, index):
         f = log_lik(data, mask)
@@ -393,11 +449,15 @@ def make_trio(log_lik: Callable, log_prior: Callable, local_dim: int, settings: 
 
     def acknowledge(client: ClientState, message: Message, reply: Reply,
                     proposed: ClientState) -> ClientState:
-        acc, p = reply.accepted, proposed.pending
+        p, N = proposed.pending, proposed.estimate.shape[0]
+        moved, i = reply.source >= N, reply.source % N
+
+        def pick(now, then):
+            return jnp.where(moved.reshape(-1, *(1,) * (now.ndim - 1)), then[i], now[i])
+
         kept = proposed._replace(
-            keys=p.keys, estimate=jnp.where(acc, p.moved, p.estimate),
-            mode=jnp.where(acc[:, None], p.mode, proposed.mode),
-            chol=jnp.where(acc[:, None, None], p.chol, proposed.chol))
+            keys=pick(p.keys, p.proposal_keys), estimate=pick(p.estimate, p.moved),
+            mode=pick(proposed.mode, p.mode), chol=pick(proposed.chol, p.chol))
         # a void round: the particles as resampled, the refresh undone
         return jax.tree_util.tree_map(lambda a, b: jnp.where(reply.keep, a, b), kept, proposed)
 
@@ -417,16 +477,29 @@ def make_trio(log_lik: Callable, log_prior: Callable, local_dim: int, settings: 
         lq_new, l0_new = server_terms(state.reference, state.proposal)
         cur = l0 + current
         new = l0_new + proposed
-        log_ratio = (lq_new - lq + _scaled(state.beta, new) - _scaled(state.beta, cur)
-                     + log_proposal(state.theta, state.proposal, state.centre, state.chol,
-                                    state.rw_scale, settings)
-                     - log_proposal(state.proposal, state.theta, state.centre, state.chol,
-                                    state.rw_scale, settings))
+        target = lq + _scaled(state.beta, cur)  # the tempered target's log density
+        target_new = lq_new + _scaled(state.beta, new)
+        # the particle's own proposal: a random walk (symmetric), or an independence draw
+        lg = log_independent(state.theta, state.centre, state.chol, settings)
+        lg_new = log_independent(state.proposal, state.centre, state.chol, settings)
+        fresh = state.kind > 0
+        log_ratio = target_new - target + jnp.where(fresh, lg - lg_new, 0.0)
+        k_acc, k_pool = jax.random.split(k_acc)
         u = jax.random.uniform(k_acc, log_ratio.shape, log_ratio.dtype)
         accepted = (jnp.log(u) < jnp.nan_to_num(log_ratio, nan=-jnp.inf)) & ok & ~state.start
-        theta = jnp.where(accepted[:, None], state.proposal, state.theta)
-        log_lik = jnp.where(ok, jnp.where(accepted, new, cur), state.log_lik)
-        moved = state.moved | accepted
+        N = log_ratio.shape[0]
+        place = jnp.arange(N, dtype=jnp.int32)
+        source = jnp.where(accepted, N + place, place)
+        # then further independence steps over the island's independence proposals
+        weight = jnp.where(accepted, target_new - lg_new, target - lg)
+        usable = fresh & jnp.isfinite(target_new - lg_new) & ok & ~state.start
+        _, pick = pool_moves(k_pool, weight, target_new - lg_new, usable, settings.islands,
+                             settings.pool_steps)
+        source = jnp.where(pick >= 0, N + pick, source)
+        theta = jnp.concatenate([state.theta, state.proposal])[source]
+        log_lik = jnp.where(ok, jnp.concatenate([cur, new])[source], state.log_lik)
+        went = source != place
+        moved = state.moved | went
         walk = (state.kind == 0) & ~state.start
         rate_walk = jnp.sum(accepted & walk) / jnp.maximum(jnp.sum(walk), 1)
         rw_scale = jnp.where(ok & jnp.any(walk),
@@ -445,15 +518,15 @@ def make_trio(log_lik: Callable, log_prior: Callable, local_dim: int, settings: 
         centre, chol = _fit(theta)
         proposal, kind = propose(k_prop, theta, centre, chol, rw_scale, settings)
         at_one = (state.beta >= 1) & ok
-        own = jnp.where(accepted, msgs.proposed, msgs.current)[:, ancestors]
+        own = jnp.concatenate([msgs.current, msgs.proposed], 1)[:, source][:, ancestors]
         client_log_lik = jnp.where(ok, own, state.client_log_lik[:, ancestors])
         new_state = ServerState(
             theta, proposal, ancestors, beta, state.start & ~ok, log_lik, moved, rw_scale,
             centre, chol, kind, jnp.where(temper, increment, state.increment),
             state.stage + temper, state.final_moves + at_one,
-            jnp.where(state.start, jnp.nan, jnp.mean(accepted)).astype(theta.dtype),
+            jnp.where(state.start, jnp.nan, jnp.mean(went)).astype(theta.dtype),
             ess.astype(theta.dtype), state.reference, client_log_lik)
-        replies = Reply(jnp.broadcast_to(accepted, (K, *accepted.shape)),
+        replies = Reply(jnp.broadcast_to(source, (K, *source.shape)),
                         jnp.broadcast_to(ok, (K,)), refused | ~received)
         return new_state, replies
 
@@ -478,7 +551,8 @@ def make_trio(log_lik: Callable, log_prior: Callable, local_dim: int, settings: 
         return jnp.all(ok, axis=1) & (var >= 0) & (var <= LIMIT)
 
     def broadcast(state: ServerState) -> Broadcast:
-        return Broadcast(state.theta, state.proposal, state.ancestors, state.beta, state.start)
+        return Broadcast(state.theta, state.proposal, state.ancestors, state.beta, state.start,
+                         state.kind > 0)
 
     return Trio(client_update, server_update, acknowledge, broadcast=broadcast)
 

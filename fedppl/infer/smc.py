@@ -204,6 +204,12 @@ class SMC(FederatedMethod):
     :param independent: the share of proposals drawn independently of the particle (from a scale
         mixture of Gaussians fitted to the particles, covariance times each of ``scales``);
         the rest are a random walk tuned to ``rw_target`` acceptance.
+    :param pool_steps: after its own proposal, each particle takes this many further
+        independence steps per round, over the other independence proposals of its island
+        (:func:`fedppl.algorithms.smc.pool_moves`: the clients evaluated them already, so
+        these steps cost no computation at the clients and no exchange); 0 (the default):
+        none. They save tempering rounds, but the stopping rule can then fire early: run past
+        it (``stop=False``).
     :param inflate: the start's covariance is multiplied by this (default 2: a Gaussian
         answer is usually too narrow, and a start wider than the target is safer, since the
         reweighting narrows a cloud and only the moves widen it).
@@ -221,7 +227,7 @@ class SMC(FederatedMethod):
                  refreshes: int = 1, ess_target: float = 0.5, renew: float = 0.5,
                  final_renew: float = 0.9, final_moves: int = 3, independent: float = 0.5,
                  scales: tuple[float, ...] = (1.0, 2.0, 4.0), rw_target: float = 0.3,
-                 inflate: float = 2.0, batch_size: int = 256):
+                 pool_steps: int = 0, inflate: float = 2.0, batch_size: int = 256):
         if not isinstance(guide, PVIGuide):
             raise TypeError(f"guide must be the fedppl.PVIGuide the start was fitted with, got "
                             f"{type(guide).__name__}")
@@ -259,7 +265,8 @@ class SMC(FederatedMethod):
             validation.positive_int(newton_steps, "newton_steps"),
             validation.positive_int(refreshes, "refreshes", minimum=0), float(ess_target),
             float(renew), float(independent), scales, float(rw_target),
-            validation.positive_int(batch_size, "batch_size"))
+            validation.positive_int(batch_size, "batch_size"),
+            validation.positive_int(pool_steps, "pool_steps", minimum=0))
         self.final_renew = float(final_renew)
         self.final_moves = validation.positive_int(final_moves, "final_moves")
         self.inflate = float(inflate)

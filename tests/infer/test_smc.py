@@ -78,10 +78,10 @@ def test_random_intercepts_reach_the_exact_posterior(intercepts):
     assert np.all(h["rejected"] == 0) and out.rejected == []
     K = clients.num_clients
     # per round each client sends 2 N log-likelihoods (and its refreshes' acceptance rate and
-    # its estimates' median variance) and is sent particles, proposals, ancestors and the
-    # temperature: nothing else leaves the server or a client
+    # its estimates' median variance) and is sent particles, proposals, ancestors, the
+    # temperature and which proposals are independent: nothing else leaves either side
     assert np.all(h["bytes_up"] == K * (2 * N * 8 + 2 * 8))
-    assert np.all(h["bytes_down"] == K * (2 * N * 2 * 8 + N * 4 + 8 + 1))
+    assert np.all(h["bytes_down"] == K * (2 * N * 2 * 8 + N * 4 + 8 + 1 + N))
     assert np.all(h["refreshed"] > 0.99)  # exact estimates: every refresh is accepted
     assert np.all(h["local_sd"] < 1e-5) and out.summary()["local_sd"] < 1e-5  # and no noise
     # the islands are the chains of the ArviZ export, the rounds' diagnostics beside them
@@ -143,6 +143,24 @@ def test_no_local_sites_from_a_start_that_is_off(linear):
     # an answer the check passes is refined by importance, as before
     exact = res.refine(jax.random.key(1), clients, progress_bar=False)
     assert isinstance(exact, ImportanceResult) and "importance" in exact.chosen
+
+
+def test_pooled_steps_reach_the_closed_form_in_fewer_rounds(linear):
+    """``pool_steps``: from the same off start, more particles move per round, temperature 1
+    comes no later, and after the rounds the particles are the closed form's within their
+    stated Monte Carlo error."""
+    res, clients, mean, cov = linear
+    sd = np.sqrt(np.diag(cov))
+    off = g.FullGaussian.from_moments(mean + sd, cov / 4)
+    runs = [fedppl.SMC(linear_model, res.guide, off, num_particles=N, islands=ISLANDS,
+                       pool_steps=steps).run(jax.random.key(1), clients, 20, stop=False,
+                                             progress_bar=False, warn=False)
+            for steps in (0, 16)]
+    first = [int(np.argmax(r.history["beta"] >= 1)) for r in runs]
+    assert all(r.reached for r in runs) and first[1] <= first[0]
+    moved = [np.nanmean(r.history["accepted"]) for r in runs]
+    assert moved[1] > moved[0] + 0.1
+    _within_mc_error(runs[1], mean, sd)
 
 
 def test_float32_without_local_sites():
@@ -207,6 +225,37 @@ def test_a_client_whose_messages_are_corrupted_voids_the_round_and_nothing_else(
     _within_mc_error(out, mean, sd)
 
 
+@pytest.mark.parametrize("steps", [1, 16])
+def test_pool_moves_leave_the_target_invariant(steps):
+    """Particles distributed as the target stay so after the pooled independence steps (the
+    target N(0, 1), the proposals N(0.5, 1.5^2), half of them usable); a kernel that left the
+    proposal's density out of the ratio would pull them to N(0.15, 0.69), the product."""
+    from jax.scipy.stats import norm
+
+    from fedppl.algorithms.smc import pool_moves
+
+    kx, kc, ku, kp = jax.random.split(jax.random.key(0), 4)
+    n = 20_000
+    x = jax.random.normal(kx, (n,))
+    c = 0.5 + 1.5 * jax.random.normal(kc, (n,))
+
+    def log_w(v):
+        return norm.logpdf(v) - norm.logpdf(v, 0.5, 1.5)
+
+    usable = jax.random.uniform(ku, (n,)) < 0.5
+    _, pick = pool_moves(kp, log_w(x), log_w(c), usable, islands=10, steps=steps)
+    pick = np.asarray(pick)
+    moved = pick >= 0
+    assert 0.2 < moved.mean() < 1  # they move, to usable proposals of their own island only
+    assert np.all(np.asarray(usable)[pick[moved]])
+    assert np.all(pick[moved] // (n // 10) == np.flatnonzero(moved) // (n // 10))
+    assert np.all(pick != np.arange(n))
+    after = np.where(moved, np.asarray(c)[pick], np.asarray(x))
+    # particles that moved to one proposal are copies: allow for an effective size of n / 4
+    se = 1 / np.sqrt(n / 4)
+    assert abs(after.mean()) < 4 * se and abs(after.var() - 1) < 4 * np.sqrt(2) * se
+
+
 def test_bad_input_is_refused_before_anything_runs(linear, intercepts):
     res, clients, *_ = linear
     with pytest.raises(ValueError, match="num_particles must be at least 100"):
@@ -217,6 +266,8 @@ def test_bad_input_is_refused_before_anything_runs(linear, intercepts):
         fedppl.SMC(linear_model, res.guide, res.q, num_particles=200, islands=20)
     with pytest.raises(ValueError, match="local_draws must be even"):
         fedppl.SMC(linear_model, res.guide, res.q, local_draws=3)
+    with pytest.raises(ValueError, match="pool_steps"):
+        fedppl.SMC(linear_model, res.guide, res.q, pool_steps=-1)
     with pytest.raises(TypeError, match="start must be a Gaussian"):
         fedppl.SMC(linear_model, res.guide, {"mean": 0})
     with pytest.raises(TypeError, match="guide must be"):
