@@ -292,7 +292,7 @@ def log_independent(x: Array, centre: Array, chol: Array, settings: Settings) ->
 
 
 def pool_moves(key: Array, weight: Array, pool: Array, usable: Array, islands: int,
-               steps: int) -> tuple[Array, Array]:
+               steps: int) -> Array:
     """Independence Metropolis-Hastings steps over a shared pool, each particle on its own.
 
     ``weight`` ``(N,)``: each particle's log target over the independence proposals' density
@@ -304,10 +304,10 @@ def pool_moves(key: Array, weight: Array, pool: Array, usable: Array, islands: i
     it and of each other, each once: every step is an independence sampler's step, and the
     target stays invariant for each particle. Particles of one island may move to the same
     proposal (the islands stay independent: their spread is still the Monte Carlo error).
-    Returns the new weights and, per particle, the proposal it moved to last (-1: none).
+    Returns, per particle, the proposal it moved to last (-1: none).
 
     >>> import jax.numpy as jnp
-    >>> w, pick = pool_moves(jax.random.key(0), jnp.zeros(4), jnp.asarray([9., 9., 9., 9.]),
+    >>> pick = pool_moves(jax.random.key(0), jnp.zeros(4), jnp.asarray([9., 9., 9., 9.]),
     ...                      jnp.asarray([True, False, True, False]), islands=2, steps=1)
     >>> pick.tolist()  # each particle offered its island's other proposal; 1 and 3 are walks
     [-1, 0, -1, 2]
@@ -316,7 +316,7 @@ def pool_moves(key: Array, weight: Array, pool: Array, usable: Array, islands: i
     n = N // islands
     steps = min(steps, n - 1)
     if steps <= 0:
-        return weight, jnp.full(N, -1, jnp.int32)
+        return jnp.full(N, -1, jnp.int32)
     k_off, k_u = jax.random.split(key)
     offsets = (1 + jax.random.permutation(k_off, n - 1)[:steps]).astype(jnp.int32)
     log_u = jnp.log(jax.random.uniform(k_u, (steps, N), weight.dtype))
@@ -330,9 +330,8 @@ def pool_moves(key: Array, weight: Array, pool: Array, usable: Array, islands: i
         ok = usable[c] & (lu < jnp.nan_to_num(pool[c] - w, nan=-jnp.inf))
         return (jnp.where(ok, pool[c], w), jnp.where(ok, c, pick)), None
 
-    (weight, pick), _ = jax.lax.scan(step, (weight, jnp.full(N, -1, jnp.int32)),
-                                     (offsets, log_u))
-    return weight, pick.astype(jnp.int32)
+    (_, pick), _ = jax.lax.scan(step, (weight, jnp.full(N, -1, jnp.int32)), (offsets, log_u))
+    return pick
 
 
 def server_init(key: Array, q0: g.Gaussian, num_clients: int, settings: Settings
@@ -491,10 +490,10 @@ def make_trio(log_lik: Callable, log_prior: Callable, local_dim: int, settings: 
         place = jnp.arange(N, dtype=jnp.int32)
         source = jnp.where(accepted, N + place, place)
         # then further independence steps over the island's independence proposals
-        weight = jnp.where(accepted, target_new - lg_new, target - lg)
-        usable = fresh & jnp.isfinite(target_new - lg_new) & ok & ~state.start
-        _, pick = pool_moves(k_pool, weight, target_new - lg_new, usable, settings.islands,
-                             settings.pool_steps)
+        pool = target_new - lg_new
+        usable = fresh & jnp.isfinite(pool) & ok & ~state.start
+        pick = pool_moves(k_pool, jnp.where(accepted, pool, target - lg), pool, usable,
+                          settings.islands, settings.pool_steps)
         source = jnp.where(pick >= 0, N + pick, source)
         theta = jnp.concatenate([state.theta, state.proposal])[source]
         log_lik = jnp.where(ok, jnp.concatenate([cur, new])[source], state.log_lik)
@@ -518,7 +517,7 @@ def make_trio(log_lik: Callable, log_prior: Callable, local_dim: int, settings: 
         centre, chol = _fit(theta)
         proposal, kind = propose(k_prop, theta, centre, chol, rw_scale, settings)
         at_one = (state.beta >= 1) & ok
-        own = jnp.concatenate([msgs.current, msgs.proposed], 1)[:, source][:, ancestors]
+        own = jnp.concatenate([msgs.current, msgs.proposed], 1)[:, source[ancestors]]
         client_log_lik = jnp.where(ok, own, state.client_log_lik[:, ancestors])
         new_state = ServerState(
             theta, proposal, ancestors, beta, state.start & ~ok, log_lik, moved, rw_scale,

@@ -243,8 +243,7 @@ def test_pool_moves_leave_the_target_invariant(steps):
         return norm.logpdf(v) - norm.logpdf(v, 0.5, 1.5)
 
     usable = jax.random.uniform(ku, (n,)) < 0.5
-    _, pick = pool_moves(kp, log_w(x), log_w(c), usable, islands=10, steps=steps)
-    pick = np.asarray(pick)
+    pick = np.asarray(pool_moves(kp, log_w(x), log_w(c), usable, islands=10, steps=steps))
     moved = pick >= 0
     assert 0.2 < moved.mean() < 1  # they move, to usable proposals of their own island only
     assert np.all(np.asarray(usable)[pick[moved]])
