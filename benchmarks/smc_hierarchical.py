@@ -62,7 +62,11 @@ BENCHMARK = {
     "quick": ["--quick"],
     "full": [[],
              ["--past-done", "--pool-steps", "16", "--out",
-              "benchmarks/results/smc_hierarchical_pool_steps16.json"]],
+              "benchmarks/results/smc_hierarchical_pool_steps16.json"],
+             ["--past-done", "--gradient", "--out",
+              "benchmarks/results/smc_hierarchical_gradient.json"],
+             ["--past-done", "--starts", "ep", "--out",
+              "benchmarks/results/smc_hierarchical_ep.json"]],
     "cost": "quick ~3 min; full ~25-45 min per file",
 }
 
@@ -95,6 +99,8 @@ def sample(res, clients, seed: int, ref_mean, ref_sd, args) -> dict:
         settings["local_draws"] = args.local_draws
     if args.pool_steps is not None:
         settings["pool_steps"] = args.pool_steps
+    if args.gradient:
+        settings["gradient"] = True
     smc = fedppl.SMC(eh.model, res.guide, res.q, local=res.local, **settings)
     rule = smc._tol_rule(None)
     state = smc.init(jax.random.key(100 + seed), clients, n_groups=eh.n_groups())
@@ -157,6 +163,8 @@ def main() -> None:
     ap.add_argument("--pool-steps", type=int, default=None,
                     help="each particle's independence steps over its island's proposals per "
                          "round (default: the sampler's)")
+    ap.add_argument("--gradient", action="store_true",
+                    help="the sampler's gradient moves (a Langevin walk; default: off)")
     ap.add_argument("--ref-warmup", type=int, default=1000)
     ap.add_argument("--ref-samples", type=int, default=2000)
     ap.add_argument("--past-done", action="store_true",

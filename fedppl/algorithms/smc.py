@@ -41,6 +41,11 @@ auxiliary draws (a random walk keeps the particle's), so the proposal with its e
 draw independent of every particle: after its own move, each particle takes ``pool_steps``
 further independence steps over the other independence proposals of its island
 (:func:`pool_moves`). Those cost the clients nothing: they evaluated every proposal already.
+With ``gradient`` the walk drifts along the tempered target's gradient (:func:`drift`, a
+Metropolis-adjusted Langevin step): the clients send their log-likelihood's gradient at each
+proposal too, by Fisher's identity over draws that are the same at every proposal where there
+are local sites, so the drift is a function of the particle (and its Laplace fit) alone and
+the refreshes of the auxiliary draws leave the step's ratio exact.
 
 ``islands``: the particles are split into equal islands that are resampled separately (the
 temperature and the proposals are shared), so the spread of the islands' means gives an honest
@@ -79,7 +84,8 @@ from fedppl.families import gaussian as g
 
 __all__ = ["Settings", "Broadcast", "ServerState", "ClientState", "Pending", "Message", "Reply",
            "server_init", "client_init", "make_trio", "next_temperature",
-           "island_ess", "resample", "propose", "log_independent", "pool_moves"]
+           "island_ess", "resample", "propose", "drift", "log_walk",
+           "log_independent", "pool_moves"]
 
 
 #: nats: a client's log-likelihood beyond this in size is refused (no data set gives one)
@@ -96,7 +102,10 @@ class Settings(NamedTuple):
     ``independent`` (the share of independence proposals), ``scales`` (their covariance
     multipliers), ``rw_target`` (the random walk's acceptance), ``batch_size`` (particles a
     client evaluates at once), ``pool_steps`` (each particle's further independence steps per
-    round over its island's independence proposals: :func:`pool_moves`; 0: none)."""
+    round over its island's independence proposals: :func:`pool_moves`; 0: none),
+    ``gradient`` (the random walk drifts along the tempered target's gradient, preconditioned
+    by the particles' covariance: a Metropolis-adjusted Langevin step; the clients send their
+    log-likelihood's gradient at each proposal: :func:`drift`)."""
 
     num_particles: int = 1000
     islands: int = 10
@@ -110,6 +119,7 @@ class Settings(NamedTuple):
     rw_target: float = 0.3
     batch_size: int = 256
     pool_steps: int = 0
+    gradient: bool = False
 
 
 class Broadcast(NamedTuple):
@@ -135,8 +145,9 @@ class ServerState(NamedTuple):
     and Cholesky factor and which kind made each proposal (for the acceptance ratio), the
     incremental log weights of the last reweighting (for its k-hat), the stage (temperatures
     so far), the moves at temperature 1, the last round's acceptance and ESS, the reference
-    ``q0`` the particles started from, and each client's last log-likelihoods ``(K, N)`` (what
-    its next message is judged against)."""
+    ``q0`` the particles started from, each client's last log-likelihoods ``(K, N)`` (what
+    its next message is judged against), and the clients' summed log-likelihood gradient at
+    each particle ``(N, D)`` (``(N, 0)`` without gradient moves: :func:`drift`)."""
 
     theta: Array
     proposal: Array
@@ -156,6 +167,7 @@ class ServerState(NamedTuple):
     ess: Array
     reference: g.Gaussian
     client_log_lik: Array
+    score: Array
 
 
 class Pending(NamedTuple):
@@ -193,12 +205,16 @@ class Message(NamedTuple):
     """A client's message: its log-likelihood (estimate) at each particle after its refresh
     ``(N,)`` and at each proposal ``(N,)``, the share of its refreshes accepted, and the median
     over the proposals of its log-estimates' estimated variance (0 without local sites: exact;
-    a diagnostic of the estimates' noise, which slows the moves)."""
+    a diagnostic of the estimates' noise, which slows the moves), and with gradient moves the
+    gradient in ``theta`` of its log-likelihood at each proposal ``(N, D)`` (with local sites,
+    Fisher's identity over fixed draws from the proposal's Laplace fit: a deterministic function
+    of the proposal and its fit, whatever the particle's auxiliary draws; ``(N, 0)`` without)."""
 
     current: Array
     proposed: Array
     refreshed: Array
     variance: Array
+    score: Array
 
 
 class Reply(NamedTuple):
@@ -265,19 +281,41 @@ def _fit(theta: Array) -> tuple[Array, Array]:
 
 
 def propose(key: Array, theta: Array, centre: Array, chol: Array, rw_scale: Array,
-            settings: Settings) -> tuple[Array, Array]:
-    """Proposals ``(N, D)`` and their kinds ``(N,)`` (0: random walk; ``j + 1``: independence
-    component ``j``, covariance times ``scales[j]``)."""
+            settings: Settings, shift: Array | None = None) -> tuple[Array, Array]:
+    """Proposals ``(N, D)`` and their kinds ``(N,)`` (0: random walk, its mean moved by
+    ``shift`` ``(N, D)`` where given: :func:`drift`; ``j + 1``: independence component ``j``,
+    covariance times ``scales[j]``)."""
     k_kind, k_comp, k_eps = jax.random.split(key, 3)
     N = theta.shape[0]
     eps = jax.random.normal(k_eps, theta.shape, theta.dtype) @ chol.T
     scales = jnp.asarray(settings.scales, theta.dtype)
     comp = jax.random.randint(k_comp, (N,), 0, len(settings.scales))
     independent = jax.random.uniform(k_kind, (N,)) < settings.independent
-    walk = theta + rw_scale * eps
+    walk = theta + rw_scale * eps + (0.0 if shift is None else shift)
     jump = centre + jnp.sqrt(scales[comp])[:, None] * eps
     return (jnp.where(independent[:, None], jump, walk),
             jnp.where(independent, comp + 1, 0).astype(jnp.int32))
+
+
+def drift(grad: Array, chol: Array, rw_scale: Array) -> Array:
+    """The Langevin walk's mean shift ``(h^2 / 2) C grad`` at each particle ``(N, D)``, for the
+    tempered target's gradient ``grad`` ``(N, D)``, the particles' covariance
+    ``C = chol chol'`` and the walk's scale ``h``: the walk proposes
+    ``N(theta + shift, h^2 C)``, and :func:`log_walk` gives the density its acceptance needs.
+
+    >>> import jax.numpy as jnp
+    >>> drift(jnp.asarray([[1.0, -2.0]]), jnp.diag(jnp.asarray([2.0, 1.0])), 0.5).tolist()
+    [[0.5, -0.25]]
+    """
+    return 0.5 * rw_scale**2 * (grad @ chol) @ chol.T
+
+
+def log_walk(x_to: Array, x_from: Array, shift: Array, chol: Array, rw_scale: Array) -> Array:
+    """Log density of the walk's proposal ``x_to`` from ``x_from`` with mean shift ``shift``
+    (rows; up to a constant the same for every pair at one ``chol`` and ``rw_scale``, which
+    cancels in a Metropolis-Hastings ratio)."""
+    u = jax.scipy.linalg.solve_triangular(chol, (x_to - x_from - shift).T, lower=True).T
+    return -0.5 * jnp.sum(u**2, -1) / rw_scale**2
 
 
 def log_independent(x: Array, centre: Array, chol: Array, settings: Settings) -> Array:
@@ -348,7 +386,8 @@ def server_init(key: Array, q0: g.Gaussian, num_clients: int, settings: Settings
                        jnp.zeros(N, jnp.int32), jnp.zeros(N, theta.dtype),
                        jnp.zeros((), jnp.int32), jnp.zeros((), jnp.int32), zero,
                        jnp.ones((), theta.dtype), q0,
-                       jnp.zeros((num_clients, N), theta.dtype))
+                       jnp.zeros((num_clients, N), theta.dtype),
+                       jnp.zeros((N, D if settings.gradient else 0), theta.dtype))
 
 
 def client_init(num_particles: int, local_dim: int, guide: g.Conditional | None,
@@ -391,6 +430,25 @@ def make_trio(log_lik: Callable, log_prior: Callable, local_dim: int, settings: 
 
         return _map(one, (theta, keys, mode, chol), settings.batch_size)
 
+    def scores(f, theta, mode, chol):
+        """Each particle's log-likelihood gradient in ``theta`` (with gradient moves): exact
+        without local sites, else the gradient of an importance estimate over fixed normal
+        draws from the Laplace fit (Fisher's identity: the weighted mean of the joint's
+        gradient), so a deterministic function of the particle and its fit, which the
+        client's refreshes of the auxiliary draws leave alone."""
+        if not settings.gradient:
+            return jnp.zeros((theta.shape[0], 0), theta.dtype)
+        if d == 0:
+            return _map(jax.grad(lambda th: f(th, jnp.zeros(0, th.dtype))), theta,
+                        settings.batch_size)
+        fixed = jax.random.key(0)
+
+        def one(args):
+            th, m, c = args
+            return jax.grad(lambda t: laplace_estimate(lambda z: f(t, z), m, c, fixed, M)[0])(th)
+
+        return _map(one, (theta, mode, chol), settings.batch_size)
+
     def fits(f, theta, guide, start):
         """Each particle's Laplace fit of its local sites at ``theta``, from the private guide's
         conditional mean (or ``start``, where it has none)."""
@@ -411,7 +469,8 @@ def make_trio(log_lik: Callable, log_prior: Callable, local_dim: int, settings: 
         mode, chol = fits(f, bc.theta, client.guide, client.mode)
         est, var = estimates(f, bc.theta, keys, mode, chol)
         pending = Pending(keys, est, keys, mode, chol, est)
-        return (Message(est, est, jnp.ones((), est.dtype), jnp.median(var)),
+        return (Message(est, est, jnp.ones((), est.dtype), jnp.median(var),
+                        scores(f, bc.theta, mode, chol)),
                 ClientState(keys, mode, chol, est, client.guide, pending))
 
     def move(bc: Broadcast, client: ClientState, f, key):
@@ -438,7 +497,7 @@ def make_trio(log_lik: Callable, log_prior: Callable, local_dim: int, settings: 
         proposal_keys = jnp.where(bc.fresh[:, None], fresh, keys)
         mode, chol = fits(f, bc.proposal, client.guide, before.mode)
         moved, var = estimates(f, bc.proposal, proposal_keys, mode, chol)
-        return (Message(est, moved, rate, jnp.median(var)),
+        return (Message(est, moved, rate, jnp.median(var), scores(f, bc.proposal, mode, chol)),
                 before._replace(pending=Pending(keys, est, proposal_keys, mode, chol, moved)))
 
     def client_update(bc: Broadcast, client: ClientState, data, mask, key, index):
@@ -465,6 +524,12 @@ def make_trio(log_lik: Callable, log_prior: Callable, local_dim: int, settings: 
         lq = jax.vmap(lambda th: g.log_prob(q0, th))(theta)
         return lq, jax.vmap(log_prior)(theta) - lq
 
+    def target_grad(q0, theta, score, beta):
+        """The tempered target's gradient at each particle, ``grad log q0 + beta (grad log
+        prior - grad log q0 + score)`` for the clients' summed gradients ``score``."""
+        glq = jax.vmap(jax.grad(lambda th: g.log_prob(q0, th)))(theta)
+        return glq + beta * (jax.vmap(jax.grad(log_prior))(theta) - glq + score)
+
     def server_update(state: ServerState, msgs: Message, index, received, key, evaluate):
         K = received.shape[0]
         refused = received & ~plausible(state, msgs)
@@ -482,7 +547,24 @@ def make_trio(log_lik: Callable, log_prior: Callable, local_dim: int, settings: 
         lg = log_independent(state.theta, state.centre, state.chol, settings)
         lg_new = log_independent(state.proposal, state.centre, state.chol, settings)
         fresh = state.kind > 0
-        log_ratio = target_new - target + jnp.where(fresh, lg - lg_new, 0.0)
+        # the clients' summed gradients at the proposals (a row with a non-finite entry, as
+        # at a proposal the data rule out, is taken as zero: the drift stays a function of
+        # the proposal), and at the particles (their own, sent with them at the set-up)
+        score_new = jnp.sum(jnp.where(ok, msgs.score, 0.0), 0)
+        finite = jnp.all(jnp.isfinite(score_new), -1, keepdims=True)
+        score_new = jnp.where(finite, score_new, 0.0)
+        score = jnp.where(state.start, score_new, state.score)
+        walk_ratio = jnp.zeros_like(target)
+        if settings.gradient:  # the Langevin walk's proposal densities, back and forth
+            def shift(x, s):
+                return drift(target_grad(state.reference, x, s, state.beta), state.chol,
+                             state.rw_scale)
+
+            walk_ratio = (log_walk(state.theta, state.proposal, shift(state.proposal, score_new),
+                                   state.chol, state.rw_scale)
+                          - log_walk(state.proposal, state.theta, shift(state.theta, score),
+                                     state.chol, state.rw_scale))
+        log_ratio = target_new - target + jnp.where(fresh, lg - lg_new, walk_ratio)
         k_acc, k_pool = jax.random.split(k_acc)
         u = jax.random.uniform(k_acc, log_ratio.shape, log_ratio.dtype)
         accepted = (jnp.log(u) < jnp.nan_to_num(log_ratio, nan=-jnp.inf)) & ok & ~state.start
@@ -497,6 +579,7 @@ def make_trio(log_lik: Callable, log_prior: Callable, local_dim: int, settings: 
         source = jnp.where(pick >= 0, N + pick, source)
         theta = jnp.concatenate([state.theta, state.proposal])[source]
         log_lik = jnp.where(ok, jnp.concatenate([cur, new])[source], state.log_lik)
+        score = jnp.where(ok, jnp.concatenate([score, score_new])[source], state.score)
         went = source != place
         moved = state.moved | went
         walk = (state.kind == 0) & ~state.start
@@ -512,10 +595,13 @@ def make_trio(log_lik: Callable, log_prior: Callable, local_dim: int, settings: 
         ancestors = jnp.where(temper, resample(k_temp, increment, settings.islands),
                               jnp.arange(theta.shape[0], dtype=jnp.int32))
         ess = jnp.where(temper, island_ess(increment, settings.islands), 1.0)
-        theta, log_lik = theta[ancestors], log_lik[ancestors]
+        theta, log_lik, score = theta[ancestors], log_lik[ancestors], score[ancestors]
         moved = jnp.where(temper, False, moved)
         centre, chol = _fit(theta)
-        proposal, kind = propose(k_prop, theta, centre, chol, rw_scale, settings)
+        shift = None
+        if settings.gradient:  # the Langevin walk's drift
+            shift = drift(target_grad(state.reference, theta, score, beta), chol, rw_scale)
+        proposal, kind = propose(k_prop, theta, centre, chol, rw_scale, settings, shift)
         at_one = (state.beta >= 1) & ok
         own = jnp.concatenate([msgs.current, msgs.proposed], 1)[:, source[ancestors]]
         client_log_lik = jnp.where(ok, own, state.client_log_lik[:, ancestors])
@@ -524,7 +610,7 @@ def make_trio(log_lik: Callable, log_prior: Callable, local_dim: int, settings: 
             centre, chol, kind, jnp.where(temper, increment, state.increment),
             state.stage + temper, state.final_moves + at_one,
             jnp.where(state.start, jnp.nan, jnp.mean(went)).astype(theta.dtype),
-            ess.astype(theta.dtype), state.reference, client_log_lik)
+            ess.astype(theta.dtype), state.reference, client_log_lik, score)
         replies = Reply(jnp.broadcast_to(source, (K, *source.shape)),
                         jnp.broadcast_to(ok, (K,)), refused | ~received)
         return new_state, replies
@@ -546,6 +632,10 @@ def make_trio(log_lik: Callable, log_prior: Callable, local_dim: int, settings: 
         near = (jnp.abs(cur - last) <= band) | ~jnp.isfinite(last)
         below = (new <= top + band) | jnp.isnan(top)
         ok &= state.start | (near & below)
+        # a gradient: finite (but where the proposal's value is -inf) and within LIMIT
+        sc = msgs.score
+        ok &= jnp.all((jnp.isfinite(sc) | jnp.isneginf(new)[..., None])
+                      & (jnp.abs(jnp.nan_to_num(sc)) <= LIMIT), axis=-1)
         var = msgs.variance  # a diagnostic, but a client that sends nonsense is refused whole
         return jnp.all(ok, axis=1) & (var >= 0) & (var <= LIMIT)
 

@@ -210,6 +210,10 @@ class SMC(FederatedMethod):
         these steps cost no computation at the clients and no exchange); 0 (the default):
         none. They save tempering rounds, but the stopping rule can then fire early: run past
         it (``stop=False``).
+    :param gradient: the random walk drifts along the tempered target's gradient (a
+        Metropolis-adjusted Langevin step, preconditioned by the particles' covariance): each
+        client also sends its log-likelihood's gradient at each proposal (``N D`` more numbers
+        a round; with local sites, by Fisher's identity over fixed draws from its Laplace fit).
     :param inflate: the start's covariance is multiplied by this (default 2: a Gaussian
         answer is usually too narrow, and a start wider than the target is safer, since the
         reweighting narrows a cloud and only the moves widen it).
@@ -227,7 +231,8 @@ class SMC(FederatedMethod):
                  refreshes: int = 1, ess_target: float = 0.5, renew: float = 0.5,
                  final_renew: float = 0.9, final_moves: int = 3, independent: float = 0.5,
                  scales: tuple[float, ...] = (1.0, 2.0, 4.0), rw_target: float = 0.3,
-                 pool_steps: int = 0, inflate: float = 2.0, batch_size: int = 256):
+                 pool_steps: int = 0, gradient: bool = False, inflate: float = 2.0,
+                 batch_size: int = 256):
         if not isinstance(guide, PVIGuide):
             raise TypeError(f"guide must be the fedppl.PVIGuide the start was fitted with, got "
                             f"{type(guide).__name__}")
@@ -266,7 +271,7 @@ class SMC(FederatedMethod):
             validation.positive_int(refreshes, "refreshes", minimum=0), float(ess_target),
             float(renew), float(independent), scales, float(rw_target),
             validation.positive_int(batch_size, "batch_size"),
-            validation.positive_int(pool_steps, "pool_steps", minimum=0))
+            validation.positive_int(pool_steps, "pool_steps", minimum=0), bool(gradient))
         self.final_renew = float(final_renew)
         self.final_moves = validation.positive_int(final_moves, "final_moves")
         self.inflate = float(inflate)
