@@ -556,13 +556,13 @@ def make_trio(log_lik: Callable, log_prior: Callable, local_dim: int, settings: 
         score = jnp.where(state.start, score_new, state.score)
         walk_ratio = jnp.zeros_like(target)
         if settings.gradient:  # the Langevin walk's proposal densities, back and forth
-            def shift(x, s):
+            def at(x, s):
                 return drift(target_grad(state.reference, x, s, state.beta), state.chol,
                              state.rw_scale)
 
-            walk_ratio = (log_walk(state.theta, state.proposal, shift(state.proposal, score_new),
+            walk_ratio = (log_walk(state.theta, state.proposal, at(state.proposal, score_new),
                                    state.chol, state.rw_scale)
-                          - log_walk(state.proposal, state.theta, shift(state.theta, score),
+                          - log_walk(state.proposal, state.theta, at(state.theta, score),
                                      state.chol, state.rw_scale))
         log_ratio = target_new - target + jnp.where(fresh, lg - lg_new, walk_ratio)
         k_acc, k_pool = jax.random.split(k_acc)
