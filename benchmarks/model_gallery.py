@@ -19,6 +19,7 @@ Run::
     python benchmarks/model_gallery.py --method ep --schedule synchronous --rounds 15 \
         --models logistic_laplace,hierarchical_logistic,negbin_regression \
         --out benchmarks/results/model_gallery_ep.json     # also --method ep-stein
+    python benchmarks/model_gallery.py --refine 10 --smc   # and the check, refine, the sampler
 
 Prints a markdown table and writes JSON (machine, settings, one row per model) to ``--out``
 (default ``benchmarks/results/model_gallery.json``; ``model_gallery_quick.json`` with
@@ -57,7 +58,9 @@ BENCHMARK = {
     "full": [[],
              ["--method", "ep", "--schedule", "synchronous", "--rounds", "15", "--models",
               "logistic_laplace,hierarchical_logistic,negbin_regression", "--out",
-              "benchmarks/results/model_gallery_ep.json"]],
+              "benchmarks/results/model_gallery_ep.json"],
+             ["--models", "hierarchical_intercept,hierarchical_logistic", "--refine", "10",
+              "--smc", "--out", "benchmarks/results/model_gallery_smc.json"]],
     "cost": "quick ~2 min; full ~1 h (with uncached references)",
 }
 
@@ -68,7 +71,7 @@ NUM_ROUNDS, TOL, DAMPING, NUM_DRAWS = 30, 1e-8, 1.0, 20000
 
 def run_fedppl(entry: Entry, clients_arrays, model_kwargs: dict, schedule: str,
                num_rounds: int = NUM_ROUNDS, repeats: int = 1, method: str = "pvi",
-               refine: int = 0, refine_draws: int = 2000) -> dict:
+               refine: int = 0, refine_draws: int = 2000, smc: bool = False) -> dict:
     """Federated PVI (or EP, ``method="ep"``: full-rank sites, its default NUTS and decaying
     damping, ``num_rounds`` rounds; ``"ep-stein"``: with Stein's estimator) on the clients:
     global draws, client k's local draws, rounds and seconds. ``repeats`` re-runs the same
@@ -105,7 +108,27 @@ def run_fedppl(entry: Entry, clients_arrays, model_kwargs: dict, schedule: str,
            "rejected": len(result.rejected), "unconverged": len(result.unconverged)}
     if refine:
         out.update(_refine(result, clients, model_kwargs, refine, refine_draws))
+    if smc:
+        out.update(_sample(result, clients, model_kwargs))
     return out
+
+
+def _sample(result, clients, model_kwargs: dict) -> dict:
+    """The federated SMC sampler from a result (``refine(method="smc")`` with its defaults):
+    its draws, rounds, seconds and own diagnostics (reached, renewed, stated Monte Carlo error
+    of the means in the particles' sds, ``local_sd``); an error is recorded instead."""
+    t0 = time.perf_counter()
+    try:
+        out = result.refine(jax.random.key(2), clients, method="smc", progress_bar=False,
+                            warn=False, **model_kwargs)
+    except Exception as exc:
+        return {"smc_error": f"{type(exc).__name__}: {exc}".strip()[:500]}
+    draws = {s: np.asarray(v) for s, v in out.sample(jax.random.key(3), NUM_DRAWS).items()}
+    _, cov = out.mean_and_cov()
+    return {"smc_draws": draws, "smc_rounds": out.num_rounds, "smc_reached": out.reached,
+            "smc_renewed": out.renewed, "smc_local_sd": out.local_sd,
+            "smc_stated_mcse": float(np.max(out.mcse()["mean"] / np.sqrt(np.diag(cov)))),
+            "smc_seconds": time.perf_counter() - t0}
 
 
 def _refine(result, clients, model_kwargs: dict, num_rounds: int, num_draws: int) -> dict:
@@ -176,7 +199,7 @@ def evaluate(entry: Entry, args) -> dict:
     t0 = time.perf_counter()
     try:
         fed = run_fedppl(entry, clients_arrays, model_kwargs, args.schedule, args.rounds,
-                         args.repeats, args.method, args.refine, args.refine_draws)
+                         args.repeats, args.method, args.refine, args.refine_draws, args.smc)
     except Exception as exc:  # the fedppl API is still growing: record and go on
         row["error"] = f"{type(exc).__name__}: {exc}".strip()[:500]
         row["seconds_to_error"] = time.perf_counter() - t0
@@ -193,6 +216,12 @@ def evaluate(entry: Entry, args) -> dict:
             row[key] = fed[key]
     if "refined_draws" in fed:
         row["refined_vs_nuts"] = refs.compare(fed["refined_draws"], nuts_g)
+    for key in ("smc_rounds", "smc_reached", "smc_renewed", "smc_local_sd", "smc_stated_mcse",
+                "smc_seconds", "smc_error"):
+        if key in fed:
+            row[key] = fed[key]
+    if "smc_draws" in fed:
+        row["smc_vs_nuts"] = refs.compare(fed["smc_draws"], nuts_g)
     if fed["local"]:
         row["local_vs_nuts"] = _local_comparison(entry, fed["local"], nuts)
         row["local_vs_svi"] = _local_comparison(entry, fed["local"], svi)
@@ -233,6 +262,23 @@ def print_table(rows: list[dict]) -> None:
                   f"| {r['refine_seconds']:.1f} |")
 
 
+    sampled = [r for r in rows if "smc_rounds" in r or "smc_error" in r]
+    if sampled:
+        print("\nthe SMC sampler (refine(method='smc'), global sites vs NUTS: mean error / sd "
+              "ratio; its stated Monte Carlo error of the means, in sds)\n")
+        print("| model | PVI vs NUTS | SMC vs NUTS | stated MC error | reached, renewed "
+              "| local sd | rounds | s |")
+        print("|---|---|---|---|---|---|---|---|")
+        for r in sampled:
+            if "smc_error" in r:
+                print(f"| {r['model']} | {_fmt(r.get('vs_nuts'))} | error: "
+                      f"{r['smc_error'][:60]} | | | | | |")
+                continue
+            print(f"| {r['model']} | {_fmt(r.get('vs_nuts'))} | {_fmt(r['smc_vs_nuts'])} "
+                  f"| {r['smc_stated_mcse']:.3f} | {r['smc_reached']}, {r['smc_renewed']:.2f} "
+                  f"| {r['smc_local_sd']:.2f} | {r['smc_rounds']} | {r['smc_seconds']:.1f} |")
+
+
 def machine() -> dict:
     return {"platform": platform.platform(), "processor": platform.processor() or None,
             "python": platform.python_version(), "cpu_count": os.cpu_count(),
@@ -268,6 +314,9 @@ def main(argv=None) -> None:
                    help="also check each answer and refine it for up to R rounds "
                         "(result.refine: k-hat, ESS, refined errors against NUTS)")
     p.add_argument("--refine-draws", type=int, default=2000, help="S per refine round")
+    p.add_argument("--smc", action="store_true",
+                   help="also run the federated SMC sampler from each answer "
+                        "(refine(method='smc'), its defaults) against NUTS")
     p.add_argument("--out", type=Path, default=None,
                    help=f"JSON path (default {OUT.name}, or {QUICK_OUT.name} with --quick)")
     args = p.parse_args(argv)
@@ -289,6 +338,7 @@ def main(argv=None) -> None:
                 "damping": DAMPING, "num_draws": NUM_DRAWS, "repeats": args.repeats,
                 "quick": args.quick, "data_seed": args.data_seed, "num_clients": 10,
                 "refine_rounds": args.refine, "refine_draws": args.refine_draws,
+                "smc": args.smc,
                 "nuts": refs.NUTS_QUICK if args.quick else refs.NUTS_SETTINGS,
                 "svi": refs.SVI_QUICK if args.quick else refs.SVI_SETTINGS,
                 "timing": "seconds: median wall time of PVI.run over the repeats after the first "

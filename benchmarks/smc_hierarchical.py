@@ -64,9 +64,7 @@ BENCHMARK = {
              ["--past-done", "--pool-steps", "16", "--out",
               "benchmarks/results/smc_hierarchical_pool_steps16.json"],
              ["--past-done", "--gradient", "--out",
-              "benchmarks/results/smc_hierarchical_gradient.json"],
-             ["--past-done", "--starts", "ep", "--out",
-              "benchmarks/results/smc_hierarchical_ep.json"]],
+              "benchmarks/results/smc_hierarchical_gradient.json"]],
     "cost": "quick ~3 min; full ~25-45 min per file",
 }
 

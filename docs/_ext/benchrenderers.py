@@ -113,6 +113,27 @@ def render_gallery_refine(datas, options):
     return [Table(options.get("caption"), header, rows)]
 
 
+def render_gallery_smc(datas, options):
+    """The SMC sampler from PVI on each gallery model it ran on (errors against NUTS: mean in
+    sd / sd ratio), with its own diagnostics beside them."""
+    header = ["model", "PVI vs NUTS", "sampler vs NUTS", "its Monte Carlo error (sd)",
+              "reached, renewed", "local sd (nats)", "rounds", "s"]
+    rows = []
+    for _name, data in datas:
+        for r in data["rows"]:
+            if "smc_rounds" not in r:
+                rows.append([r["model"], _pair(r.get("vs_nuts")),
+                             str(r.get("smc_error") or r.get("error") or "-")[:80],
+                             "-", "-", "-", "-", "-"])
+                continue
+            rows.append([r["model"], _pair(r.get("vs_nuts")), _pair(r.get("smc_vs_nuts")),
+                         fmt(r["smc_stated_mcse"], ".3f"),
+                         f"{fmt(r['smc_reached'])}, {fmt(r['smc_renewed'], '.2f')}",
+                         fmt(r["smc_local_sd"], ".2f"), fmt(r["smc_rounds"]),
+                         fmt(r["smc_seconds"], ".1f")])
+    return [Table(options.get("caption"), header, rows)]
+
+
 def _total(value: Any) -> int:
     if isinstance(value, list):
         return sum(_total(v) for v in value)
@@ -260,6 +281,7 @@ RENDERERS: dict[str, Callable[[list[tuple[str, Any]], dict], list[Table]]] = {
     "smc_breadth": render_smc_breadth,
     "model_gallery": render_model_gallery,
     "gallery_refine": render_gallery_refine,
+    "gallery_smc": render_gallery_smc,
     "pvi_accuracy": render_pvi_accuracy,
     "pvi_accuracy_glm": render_pvi_accuracy_glm,
     "same_numbers": render_same_numbers,
