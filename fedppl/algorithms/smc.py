@@ -51,21 +51,8 @@ the refreshes of the auxiliary draws leave the step's ratio exact.
 temperature and the proposals are shared), so the spread of the islands' means gives an honest
 Monte Carlo error for any moment (Vergé, Dubarry, Del Moral and Moulines, 2015).
 
-Temperatures are found by bisection (blackjax's ``smc.solver.dichotomy``), resampling is
-blackjax's systematic resampling.
-
-Example (the server's pieces: the next temperature keeps half of each island's effective
-particles, and resampling stays within the islands; :mod:`fedppl.infer.smc` builds the trio
-from a model)::
-
-    >>> import jax, jax.numpy as jnp
-    >>> log_lik = 10 * jax.random.normal(jax.random.key(0), (100,))
-    >>> beta = next_temperature(jnp.asarray(0.0), log_lik, islands=4, ess_target=0.5)
-    >>> bool(0 < beta < 1), round(float(island_ess(beta * log_lik, 4)), 3)
-    (True, 0.5)
-    >>> ancestors = resample(jax.random.key(1), beta * log_lik, islands=4)
-    >>> bool(jnp.all(ancestors[:25] < 25)), bool(jnp.all(ancestors[25:50] // 25 == 1))
-    (True, True)
+The server's kernels (tempering, resampling, proposals and their densities) are pure functions
+in :mod:`fedppl.algorithms.smc_kernels`; this module makes the trio.
 """
 
 from __future__ import annotations
@@ -76,16 +63,25 @@ from typing import Any, NamedTuple
 import jax
 import jax.numpy as jnp
 from jax import Array
-from jax.scipy.special import logsumexp
 
 from fedppl.algorithms.importance import laplace_estimate, laplace_fit
+from fedppl.algorithms.smc_kernels import (
+    drift,
+    fit,
+    island_ess,
+    log_independent,
+    log_walk,
+    next_temperature,
+    pool_moves,
+    propose,
+    resample,
+    scaled,
+)
 from fedppl.algorithms.trio import Trio
 from fedppl.families import gaussian as g
 
 __all__ = ["Settings", "Broadcast", "ServerState", "ClientState", "Pending", "Message", "Reply",
-           "server_init", "client_init", "make_trio", "next_temperature",
-           "island_ess", "resample", "propose", "drift", "log_walk",
-           "log_independent", "pool_moves"]
+           "server_init", "client_init", "make_trio"]
 
 
 #: nats: a client's log-likelihood beyond this in size is refused (no data set gives one)
@@ -229,149 +225,6 @@ class Reply(NamedTuple):
     refused: Array
 
 
-# -- the server's pieces (pure, jit-able) -------------------------------------------------------
-
-
-def island_ess(log_weights: Array, islands: int) -> Array:
-    """The mean over islands of each island's ESS as a share of its particles."""
-    lw = log_weights.reshape(islands, -1)
-    n = lw.shape[1]
-    log_ess = 2 * logsumexp(lw, axis=1) - logsumexp(2 * lw, axis=1)
-    return jnp.mean(jnp.exp(log_ess)) / n
-
-
-def _scaled(delta: Array, log_lik: Array) -> Array:
-    """``delta * log_lik`` with ``-inf`` (a particle the data rule out) kept at ``-inf``."""
-    return jnp.where(jnp.isneginf(log_lik), -jnp.inf, delta * jnp.nan_to_num(log_lik))
-
-
-def next_temperature(beta: Array, log_lik: Array, islands: int, ess_target: float) -> Array:
-    """The next temperature: the largest ``b' <= 1`` whose incremental weights
-    ``(b' - b) * log_lik`` keep an island ESS of ``ess_target`` (bisection, blackjax's
-    ``dichotomy``); 1 if that keeps it already."""
-    from blackjax.smc.solver import dichotomy
-
-    def excess(delta):
-        return island_ess(_scaled(delta, log_lik), islands) - ess_target
-
-    top = 1.0 - beta
-    delta = dichotomy(excess, jnp.zeros_like(top), top, eps=1e-6)
-    delta = jnp.where(jnp.isnan(delta), 1e-6 * top, delta)  # no step keeps it: the smallest
-    return jnp.minimum(beta + jnp.clip(delta, 0.0, top), 1.0)
-
-
-def resample(key: Array, log_weights: Array, islands: int) -> Array:
-    """Ancestors ``(N,)``: systematic resampling (blackjax) within each island."""
-    from blackjax.smc.resampling import systematic
-
-    lw = log_weights.reshape(islands, -1)
-    n = lw.shape[1]
-    w = jnp.exp(lw - logsumexp(lw, axis=1, keepdims=True))
-    idx = jax.vmap(systematic, (0, 0, None))(jax.random.split(key, islands), w, n)
-    return (idx + n * jnp.arange(islands)[:, None]).reshape(-1).astype(jnp.int32)
-
-
-def _fit(theta: Array) -> tuple[Array, Array]:
-    """Mean and Cholesky factor of the particles' covariance (with a relative jitter)."""
-    D = theta.shape[1]
-    centre = jnp.mean(theta, 0)
-    cov = jnp.cov(theta.T).reshape(D, D)
-    jitter = 1e-9 * jnp.maximum(jnp.trace(cov) / D, jnp.finfo(theta.dtype).tiny)
-    return centre, jnp.linalg.cholesky(cov + (jitter + 1e-12) * jnp.eye(D, dtype=theta.dtype))
-
-
-def propose(key: Array, theta: Array, centre: Array, chol: Array, rw_scale: Array,
-            settings: Settings, shift: Array | None = None) -> tuple[Array, Array]:
-    """Proposals ``(N, D)`` and their kinds ``(N,)`` (0: random walk, its mean moved by
-    ``shift`` ``(N, D)`` where given: :func:`drift`; ``j + 1``: independence component ``j``,
-    covariance times ``scales[j]``)."""
-    k_kind, k_comp, k_eps = jax.random.split(key, 3)
-    N = theta.shape[0]
-    eps = jax.random.normal(k_eps, theta.shape, theta.dtype) @ chol.T
-    scales = jnp.asarray(settings.scales, theta.dtype)
-    comp = jax.random.randint(k_comp, (N,), 0, len(settings.scales))
-    independent = jax.random.uniform(k_kind, (N,)) < settings.independent
-    walk = theta + rw_scale * eps + (0.0 if shift is None else shift)
-    jump = centre + jnp.sqrt(scales[comp])[:, None] * eps
-    return (jnp.where(independent[:, None], jump, walk),
-            jnp.where(independent, comp + 1, 0).astype(jnp.int32))
-
-
-def drift(grad: Array, chol: Array, rw_scale: Array) -> Array:
-    """The Langevin walk's mean shift ``(h^2 / 2) C grad`` at each particle ``(N, D)``, for the
-    tempered target's gradient ``grad`` ``(N, D)``, the particles' covariance
-    ``C = chol chol'`` and the walk's scale ``h``: the walk proposes
-    ``N(theta + shift, h^2 C)``, and :func:`log_walk` gives the density its acceptance needs.
-
-    >>> import jax.numpy as jnp
-    >>> drift(jnp.asarray([[1.0, -2.0]]), jnp.diag(jnp.asarray([2.0, 1.0])), 0.5).tolist()
-    [[0.5, -0.25]]
-    """
-    return 0.5 * rw_scale**2 * (grad @ chol) @ chol.T
-
-
-def log_walk(x_to: Array, x_from: Array, shift: Array, chol: Array, rw_scale: Array) -> Array:
-    """Log density of the walk's proposal ``x_to`` from ``x_from`` with mean shift ``shift``
-    (rows; up to a constant the same for every pair at one ``chol`` and ``rw_scale``, which
-    cancels in a Metropolis-Hastings ratio)."""
-    u = jax.scipy.linalg.solve_triangular(chol, (x_to - x_from - shift).T, lower=True).T
-    return -0.5 * jnp.sum(u**2, -1) / rw_scale**2
-
-
-def log_independent(x: Array, centre: Array, chol: Array, settings: Settings) -> Array:
-    """Log density at each row of ``x`` of the independence proposals' scale mixture (equal
-    weights on ``N(centre, c chol chol')`` for each ``c`` in ``scales``)."""
-    D = x.shape[1]
-    u = jax.scipy.linalg.solve_triangular(chol, (x - centre).T, lower=True).T
-    r2 = jnp.sum(u**2, -1)
-    base = -jnp.sum(jnp.log(jnp.diagonal(chol))) - 0.5 * D * jnp.log(2 * jnp.pi)
-    parts = [base - 0.5 * r2 / c - 0.5 * D * jnp.log(c) for c in settings.scales]
-    return logsumexp(jnp.stack(parts), axis=0) - jnp.log(len(settings.scales))
-
-
-def pool_moves(key: Array, weight: Array, pool: Array, usable: Array, islands: int,
-               steps: int) -> Array:
-    """Independence Metropolis-Hastings steps over a shared pool, each particle on its own.
-
-    ``weight`` ``(N,)``: each particle's log target over the independence proposals' density
-    at its position; ``pool`` ``(N,)``: the same at each proposal; ``usable``: the proposals
-    drawn independently of their particle. In step ``t`` the particle at place ``j`` of its
-    island (``n`` particles) is offered proposal ``(j + o_t) mod n`` of the same island, the
-    offsets ``o_t`` distinct and never 0, and moves there with probability
-    ``min(1, exp(pool - weight))``. A particle thus meets only proposals drawn independently of
-    it and of each other, each once: every step is an independence sampler's step, and the
-    target stays invariant for each particle. Particles of one island may move to the same
-    proposal (the islands stay independent: their spread is still the Monte Carlo error).
-    Returns, per particle, the proposal it moved to last (-1: none).
-
-    >>> import jax.numpy as jnp
-    >>> pick = pool_moves(jax.random.key(0), jnp.zeros(4), jnp.asarray([9., 9., 9., 9.]),
-    ...                      jnp.asarray([True, False, True, False]), islands=2, steps=1)
-    >>> pick.tolist()  # each particle offered its island's other proposal; 1 and 3 are walks
-    [-1, 0, -1, 2]
-    """
-    N = weight.shape[0]
-    n = N // islands
-    steps = min(steps, n - 1)
-    if steps <= 0:
-        return jnp.full(N, -1, jnp.int32)
-    k_off, k_u = jax.random.split(key)
-    offsets = (1 + jax.random.permutation(k_off, n - 1)[:steps]).astype(jnp.int32)
-    log_u = jnp.log(jax.random.uniform(k_u, (steps, N), weight.dtype))
-    place = jnp.arange(N, dtype=jnp.int32)
-    first = place - place % n
-
-    def step(carry, xs):
-        w, pick = carry
-        offset, lu = xs
-        c = first + (place % n + offset) % n
-        ok = usable[c] & (lu < jnp.nan_to_num(pool[c] - w, nan=-jnp.inf))
-        return (jnp.where(ok, pool[c], w), jnp.where(ok, c, pick)), None
-
-    (_, pick), _ = jax.lax.scan(step, (weight, jnp.full(N, -1, jnp.int32)), (offsets, log_u))
-    return pick
-
-
 def server_init(key: Array, q0: g.Gaussian, num_clients: int, settings: Settings
                 ) -> ServerState:
     """The first state: ``N`` particles drawn from ``q0``, no proposal yet (the first round
@@ -379,7 +232,7 @@ def server_init(key: Array, q0: g.Gaussian, num_clients: int, settings: Settings
     theta = g.sample(key, q0, settings.num_particles)
     N, D = theta.shape
     zero = jnp.zeros((), theta.dtype)
-    centre, chol = _fit(theta)
+    centre, chol = fit(theta)
     return ServerState(theta, theta, jnp.arange(N, dtype=jnp.int32), zero, jnp.asarray(True),
                        jnp.zeros(N, theta.dtype), jnp.zeros(N, bool),
                        jnp.asarray(2.38 / D**0.5, theta.dtype), centre, chol,
@@ -486,7 +339,7 @@ def make_trio(log_lik: Callable, log_prior: Callable, local_dim: int, settings: 
                 fresh = jax.random.key_data(jax.random.split(k_new, keys.shape[0]))
                 new_est = estimates(f, bc.theta, fresh, before.mode, before.chol)[0]
                 u = jax.random.uniform(k_u, est.shape, est.dtype)
-                ok = jnp.log(u) < _scaled(bc.beta, new_est) - _scaled(bc.beta, est)
+                ok = jnp.log(u) < scaled(bc.beta, new_est) - scaled(bc.beta, est)
                 keys = jnp.where(ok[:, None], fresh, keys)
                 est = jnp.where(ok, new_est, est)
                 total = total + jnp.mean(ok)
@@ -541,11 +394,11 @@ def make_trio(log_lik: Callable, log_prior: Callable, local_dim: int, settings: 
         lq_new, l0_new = server_terms(state.reference, state.proposal)
         cur = l0 + current
         new = l0_new + proposed
-        target = lq + _scaled(state.beta, cur)  # the tempered target's log density
-        target_new = lq_new + _scaled(state.beta, new)
+        target = lq + scaled(state.beta, cur)  # the tempered target's log density
+        target_new = lq_new + scaled(state.beta, new)
         # the particle's own proposal: a random walk (symmetric), or an independence draw
-        lg = log_independent(state.theta, state.centre, state.chol, settings)
-        lg_new = log_independent(state.proposal, state.centre, state.chol, settings)
+        lg = log_independent(state.theta, state.centre, state.chol, settings.scales)
+        lg_new = log_independent(state.proposal, state.centre, state.chol, settings.scales)
         fresh = state.kind > 0
         # the clients' summed gradients at the proposals (a row with a non-finite entry, as
         # at a proposal the data rule out, is taken as zero: the drift stays a function of
@@ -591,17 +444,18 @@ def make_trio(log_lik: Callable, log_prior: Callable, local_dim: int, settings: 
         temper = ok & (state.beta < 1) & (state.start | (jnp.mean(moved) >= settings.renew))
         beta = jnp.where(temper, next_temperature(state.beta, log_lik, settings.islands,
                                                   settings.ess_target), state.beta)
-        increment = _scaled(beta - state.beta, log_lik)
+        increment = scaled(beta - state.beta, log_lik)
         ancestors = jnp.where(temper, resample(k_temp, increment, settings.islands),
                               jnp.arange(theta.shape[0], dtype=jnp.int32))
         ess = jnp.where(temper, island_ess(increment, settings.islands), 1.0)
         theta, log_lik, score = theta[ancestors], log_lik[ancestors], score[ancestors]
         moved = jnp.where(temper, False, moved)
-        centre, chol = _fit(theta)
+        centre, chol = fit(theta)
         shift = None
         if settings.gradient:  # the Langevin walk's drift
             shift = drift(target_grad(state.reference, theta, score, beta), chol, rw_scale)
-        proposal, kind = propose(k_prop, theta, centre, chol, rw_scale, settings, shift)
+        proposal, kind = propose(k_prop, theta, centre, chol, rw_scale, settings.scales,
+                                 settings.independent, shift)
         at_one = (state.beta >= 1) & ok
         own = jnp.concatenate([msgs.current, msgs.proposed], 1)[:, source[ancestors]]
         client_log_lik = jnp.where(ok, own, state.client_log_lik[:, ancestors])

@@ -1,7 +1,7 @@
 """``SMC``: the pooled posterior by a federated tempered SMC sampler, started from a federated
 answer; and :class:`SMCResult`, its particles.
 
-The sampler (:mod:`fedppl.algorithms.smc` has the pieces) is a plan like every method's, so it
+The sampler (:mod:`fedppl.algorithms.smc` makes its trio) is a plan like every method's, so it
 runs on the embedded runtime (every client and every particle in one compiled round) and on
 Flower. A client's local sites (random effects) stay with it: it integrates them by an
 importance estimate whose normal draws are part of the particle and are kept, and refreshed, at
@@ -206,7 +206,7 @@ class SMC(FederatedMethod):
         the rest are a random walk tuned to ``rw_target`` acceptance.
     :param pool_steps: after its own proposal, each particle takes this many further
         independence steps per round, over the other independence proposals of its island
-        (:func:`fedppl.algorithms.smc.pool_moves`: the clients evaluated them already, so
+        (:func:`fedppl.algorithms.smc_kernels.pool_moves`: the clients evaluated them already, so
         these steps cost no computation at the clients and no exchange); 0 (the default):
         none. They save tempering rounds, but the stopping rule can then fire early: run past
         it (``stop=False``).

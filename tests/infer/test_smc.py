@@ -234,7 +234,7 @@ def test_pool_moves_leave_the_target_invariant(steps):
     proposal's density out of the ratio would pull them to N(0.15, 0.69), the product."""
     from jax.scipy.stats import norm
 
-    from fedppl.algorithms.smc import pool_moves
+    from fedppl.algorithms.smc_kernels import pool_moves
 
     kx, kc, ku, kp = jax.random.split(jax.random.key(0), 4)
     n = 20_000
@@ -265,18 +265,17 @@ def test_the_langevin_walk_leaves_the_target_invariant(faithful):
     is checked to fail, so the test can."""
     from jax.scipy.stats import multivariate_normal as mvn
 
-    from fedppl.algorithms.smc import Settings, drift, log_walk, propose
+    from fedppl.algorithms.smc_kernels import drift, log_walk, propose
 
     m, S = jnp.asarray([1.0, -1.0]), jnp.asarray([[1.0, 0.8], [0.8, 1.0]])
     P = jnp.linalg.inv(S)
     chol = jnp.linalg.cholesky(jnp.asarray([[2.0, 0.0], [0.0, 0.5]]))
     h, n = 0.8, 20_000
-    settings = Settings(independent=0.0)
 
     def step(x, key):
         k_prop, k_u = jax.random.split(key)
         there = drift(-(x - m) @ P, chol, h)
-        y, kind = propose(k_prop, x, m, chol, h, settings, there)
+        y, kind = propose(k_prop, x, m, chol, h, (1.0,), 0.0, there)
         back = drift(-(y - m) @ P, chol, h)
         ratio = mvn.logpdf(y, m, S) - mvn.logpdf(x, m, S)
         if faithful:
