@@ -26,6 +26,12 @@ Run::
     python benchmarks/smc_hierarchical.py                       # seed 0, from PVI
     python benchmarks/smc_hierarchical.py --seeds 3 --starts pvi,prior,ep --past-done
     python benchmarks/smc_hierarchical.py --quick                # a smoke run
+    python benchmarks/smc_hierarchical.py --starts ep --save-starts /tmp/starts
+    python benchmarks/smc_hierarchical.py --starts ep --load-starts /tmp/starts --inflate 1.5
+
+(``--save-starts``/``--load-starts``: a folder for each start's ``q`` and local guides, so that
+sampler settings can be compared from one EP run, which takes 24 minutes.) Each start's and
+each run's final mean and sd per coordinate are in the JSON.
 
 Prints a table and writes JSON to ``--out`` (default
 benchmarks/results/smc_hierarchical.json).
@@ -36,6 +42,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import pickle
 import platform
 import subprocess
 import sys
@@ -64,16 +71,27 @@ BENCHMARK = {
              ["--past-done", "--pool-steps", "16", "--out",
               "benchmarks/results/smc_hierarchical_pool_steps16.json"],
              ["--past-done", "--gradient", "--out",
-              "benchmarks/results/smc_hierarchical_gradient.json"]],
-    "cost": "quick ~3 min; full ~25-45 min per file",
+              "benchmarks/results/smc_hierarchical_gradient.json"],
+             ["--past-done", "--starts", "ep", "--out",
+              "benchmarks/results/smc_hierarchical_ep.json"]],
+    "cost": "quick ~3 min; full ~25-45 min per file (from EP ~55 min: EP takes 24)",
 }
 
 jax.config.update("jax_enable_x64", True)
 
 
 def start_result(name: str, clients, seed: int, args):
-    """The federated answer the sampler starts from, and the seconds it took."""
+    """The federated answer the sampler starts from, and the seconds it took (from
+    ``--load-starts`` when a saved one is there)."""
     guide = fedppl.PVIGuide(eh.model, eh.GLOBAL, family="fullrank")
+    saved = Path(args.load_starts or "") / f"{name}_seed{seed}.pkl"
+    if args.load_starts and saved.exists():  # a PVI result carries a saved q and local guides
+        with open(saved, "rb") as f:
+            q, local, seconds = pickle.load(f)
+        res = fedppl.PVI(eh.model, guide, elbo_samples=0).run(
+            jax.random.key(seed), clients, 1, progress_bar=False, n_groups=eh.n_groups())
+        res.q, res.local = q, local
+        return res, seconds
     t0 = time.perf_counter()
     if name == "pvi":
         res = fedppl.PVI(eh.model, guide, elbo_samples=0).run(
@@ -99,6 +117,8 @@ def sample(res, clients, seed: int, ref_mean, ref_sd, args) -> dict:
         settings["pool_steps"] = args.pool_steps
     if args.gradient:
         settings["gradient"] = True
+    if args.inflate is not None:
+        settings["inflate"] = args.inflate
     smc = fedppl.SMC(eh.model, res.guide, res.q, local=res.local, **settings)
     rule = smc._tol_rule(None)
     state = smc.init(jax.random.key(100 + seed), clients, n_groups=eh.n_groups())
@@ -134,6 +154,8 @@ def sample(res, clients, seed: int, ref_mean, ref_sd, args) -> dict:
         "rounds": done_at or len(rows), "stopped_by_rule": done_at is not None,
         "reached": result.reached, "renewed": result.renewed, "local_sd": rows[-1]["local_sd"],
         "mean_err": me, "sd_err": se,
+        "mean": result.mean_and_cov()[0].tolist(),
+        "sd": np.sqrt(np.diag(result.mean_and_cov()[1])).tolist(),
         "stated_mean_mcse": float(np.max(mc["mean"] / ref_sd)),
         "stated_sd_mcse": float(np.max(mc["sd"] / ref_sd)),
         "seconds_per_round": float(np.median([r["seconds"] for r in rows[1:]]))
@@ -163,11 +185,17 @@ def main() -> None:
                          "round (default: the sampler's)")
     ap.add_argument("--gradient", action="store_true",
                     help="the sampler's gradient moves (a Langevin walk; default: off)")
+    ap.add_argument("--inflate", type=float, default=None,
+                    help="the start's covariance times this (default: the sampler's)")
     ap.add_argument("--ref-warmup", type=int, default=1000)
     ap.add_argument("--ref-samples", type=int, default=2000)
     ap.add_argument("--past-done", action="store_true",
                     help="go on to --rounds after the sampler's own stopping rule fires (the "
                          "round it fired is recorded)")
+    ap.add_argument("--save-starts", default=None,
+                    help="a folder: save each start's q and local guides there")
+    ap.add_argument("--load-starts", default=None,
+                    help="a folder: take each start from there where saved (its seconds too)")
     ap.add_argument("--quick", action="store_true")
     ap.add_argument("--out", default="benchmarks/results/smc_hierarchical.json")
     args = ap.parse_args()
@@ -205,11 +233,18 @@ def main() -> None:
         results["seeds"].append(run)
         for name in args.starts.split(","):
             res, seconds = start_result(name, clients, seed, args)
+            if args.save_starts:  # the start's q and local guides, to run the sampler again
+                Path(args.save_starts).mkdir(parents=True, exist_ok=True)
+                with open(Path(args.save_starts) / f"{name}_seed{seed}.pkl", "wb") as f:
+                    pickle.dump(jax.device_get((res.q, res.local, seconds)), f)
             me, se = errors(*res.mean_and_cov(), ref_mean, ref_sd)
             print(f"seed {seed}, from {name} ({seconds:.0f} s): errors {me:.3f} / {se:.3f}",
                   flush=True)
             out = sample(res, clients, seed, ref_mean, ref_sd, args)
-            out["start"] = {"seconds": seconds, "mean_err": me, "sd_err": se}
+            m0, c0 = res.mean_and_cov()
+            out["start"] = {"seconds": seconds, "mean_err": me, "sd_err": se,
+                            "mean": np.asarray(m0).tolist(),
+                            "sd": np.sqrt(np.diag(np.asarray(c0))).tolist()}
             run["starts"][name] = out
             save()
     save()
