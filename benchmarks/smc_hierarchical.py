@@ -73,7 +73,9 @@ BENCHMARK = {
              ["--past-done", "--gradient", "--out",
               "benchmarks/results/smc_hierarchical_gradient.json"],
              ["--past-done", "--starts", "ep", "--out",
-              "benchmarks/results/smc_hierarchical_ep.json"]],
+              "benchmarks/results/smc_hierarchical_ep.json"],
+             ["--past-done", "--independent", "0.1", "--out",
+              "benchmarks/results/smc_hierarchical_independent01.json"]],
     "cost": "quick ~3 min; full ~25-45 min per file (from EP ~55 min: EP takes 24)",
 }
 
@@ -119,6 +121,8 @@ def sample(res, clients, seed: int, ref_mean, ref_sd, args) -> dict:
         settings["gradient"] = True
     if args.inflate is not None:
         settings["inflate"] = args.inflate
+    if args.independent is not None:
+        settings["independent"] = args.independent
     smc = fedppl.SMC(eh.model, res.guide, res.q, local=res.local, **settings)
     rule = smc._tol_rule(None)
     state = smc.init(jax.random.key(100 + seed), clients, n_groups=eh.n_groups())
@@ -185,6 +189,8 @@ def main() -> None:
                          "round (default: the sampler's)")
     ap.add_argument("--gradient", action="store_true",
                     help="the sampler's gradient moves (a Langevin walk; default: off)")
+    ap.add_argument("--independent", type=float, default=None,
+                    help="the share of independence proposals (default: the sampler's)")
     ap.add_argument("--inflate", type=float, default=None,
                     help="the start's covariance times this (default: the sampler's)")
     ap.add_argument("--ref-warmup", type=int, default=1000)
