@@ -82,18 +82,24 @@ BENCHMARK = {
 jax.config.update("jax_enable_x64", True)
 
 
+def _carrying(clients, seed: int, q, local):
+    """A PVI result (one round) made to carry another Gaussian ``q`` and local guides."""
+    guide = fedppl.PVIGuide(eh.model, eh.GLOBAL, family="fullrank")
+    res = fedppl.PVI(eh.model, guide, elbo_samples=0).run(
+        jax.random.key(seed), clients, 1, progress_bar=False, n_groups=eh.n_groups())
+    res.q, res.local = (res.guide.prior, None) if q is None else (q, local)
+    return res
+
+
 def start_result(name: str, clients, seed: int, args):
     """The federated answer the sampler starts from, and the seconds it took (from
     ``--load-starts`` when a saved one is there)."""
-    guide = fedppl.PVIGuide(eh.model, eh.GLOBAL, family="fullrank")
-    saved = Path(args.load_starts or "") / f"{name}_seed{seed}.pkl"
-    if args.load_starts and saved.exists():  # a PVI result carries a saved q and local guides
+    saved = Path(args.load_starts) / f"{name}_seed{seed}.pkl" if args.load_starts else None
+    if saved is not None and saved.exists():
         with open(saved, "rb") as f:
             q, local, seconds = pickle.load(f)
-        res = fedppl.PVI(eh.model, guide, elbo_samples=0).run(
-            jax.random.key(seed), clients, 1, progress_bar=False, n_groups=eh.n_groups())
-        res.q, res.local = q, local
-        return res, seconds
+        return _carrying(clients, seed, q, local), seconds
+    guide = fedppl.PVIGuide(eh.model, eh.GLOBAL, family="fullrank")
     t0 = time.perf_counter()
     if name == "pvi":
         res = fedppl.PVI(eh.model, guide, elbo_samples=0).run(
@@ -102,11 +108,14 @@ def start_result(name: str, clients, seed: int, args):
     elif name == "ep":
         res = fedppl.EP(eh.model, guide).run(jax.random.key(seed), clients, args.ep_rounds,
                                              progress_bar=False, n_groups=eh.n_groups())
-    else:  # the prior, through a PVI result with no rounds' worth of factors
-        res = fedppl.PVI(eh.model, guide, elbo_samples=0).run(
-            jax.random.key(seed), clients, 1, progress_bar=False, n_groups=eh.n_groups())
-        res.q, res.local = res.guide.prior, None
+    else:  # the prior's Gaussian base, no local guides
+        res = _carrying(clients, seed, None, None)
     return res, time.perf_counter() - t0
+
+
+def _moments(mean, cov) -> dict:
+    """A mean and covariance as the JSON's per-coordinate mean and sd."""
+    return {"mean": np.asarray(mean).tolist(), "sd": np.sqrt(np.diag(np.asarray(cov))).tolist()}
 
 
 def sample(res, clients, seed: int, ref_mean, ref_sd, args) -> dict:
@@ -153,13 +162,12 @@ def sample(res, clients, seed: int, ref_mean, ref_sd, args) -> dict:
     if done_at is not None and args.past_done:  # the answer the defaults give: at that round
         result.particles = at_done
     mc = result.mcse()
-    me, se = errors(*result.mean_and_cov(), ref_mean, ref_sd)
+    moments = result.mean_and_cov()
+    me, se = errors(*moments, ref_mean, ref_sd)
     return {"rounds": rows, "final": {
         "rounds": done_at or len(rows), "stopped_by_rule": done_at is not None,
         "reached": result.reached, "renewed": result.renewed, "local_sd": rows[-1]["local_sd"],
-        "mean_err": me, "sd_err": se,
-        "mean": result.mean_and_cov()[0].tolist(),
-        "sd": np.sqrt(np.diag(result.mean_and_cov()[1])).tolist(),
+        "mean_err": me, "sd_err": se, **_moments(*moments),
         "stated_mean_mcse": float(np.max(mc["mean"] / ref_sd)),
         "stated_sd_mcse": float(np.max(mc["sd"] / ref_sd)),
         "seconds_per_round": float(np.median([r["seconds"] for r in rows[1:]]))
@@ -243,14 +251,13 @@ def main() -> None:
                 Path(args.save_starts).mkdir(parents=True, exist_ok=True)
                 with open(Path(args.save_starts) / f"{name}_seed{seed}.pkl", "wb") as f:
                     pickle.dump(jax.device_get((res.q, res.local, seconds)), f)
-            me, se = errors(*res.mean_and_cov(), ref_mean, ref_sd)
+            moments = res.mean_and_cov()
+            me, se = errors(*moments, ref_mean, ref_sd)
             print(f"seed {seed}, from {name} ({seconds:.0f} s): errors {me:.3f} / {se:.3f}",
                   flush=True)
             out = sample(res, clients, seed, ref_mean, ref_sd, args)
-            m0, c0 = res.mean_and_cov()
             out["start"] = {"seconds": seconds, "mean_err": me, "sd_err": se,
-                            "mean": np.asarray(m0).tolist(),
-                            "sd": np.sqrt(np.diag(np.asarray(c0))).tolist()}
+                            **_moments(*moments)}
             run["starts"][name] = out
             save()
     save()
