@@ -120,7 +120,8 @@ def _moments(mean, cov) -> dict:
 
 def sample(res, clients, seed: int, ref_mean, ref_sd, args) -> dict:
     """``refine`` with the sampler's defaults, round by round: every round's row, and the
-    final particles' errors beside the sampler's own Monte Carlo error."""
+    final particles' errors beside the sampler's own Monte Carlo error (final: where the
+    stopping rule fired, if it did; ``last``: the per-coordinate moments after the last round)."""
     settings = {"num_particles": args.particles, "islands": args.islands}
     if args.local_draws:
         settings["local_draws"] = args.local_draws
@@ -159,6 +160,7 @@ def sample(res, clients, seed: int, ref_mean, ref_sd, args) -> dict:
                 break
     result = smc._started(state).result(state, {k: np.asarray([r[k] for r in rows])
                                                 for k in ("round", "beta")}, [])
+    last = _moments(theta.mean(0), np.cov(theta.T))  # after the last round
     if done_at is not None and args.past_done:  # the answer the defaults give: at that round
         result.particles = at_done
     mc = result.mcse()
@@ -167,7 +169,7 @@ def sample(res, clients, seed: int, ref_mean, ref_sd, args) -> dict:
     return {"rounds": rows, "final": {
         "rounds": done_at or len(rows), "stopped_by_rule": done_at is not None,
         "reached": result.reached, "renewed": result.renewed, "local_sd": rows[-1]["local_sd"],
-        "mean_err": me, "sd_err": se, **_moments(*moments),
+        "mean_err": me, "sd_err": se, **_moments(*moments), "last": last,
         "stated_mean_mcse": float(np.max(mc["mean"] / ref_sd)),
         "stated_sd_mcse": float(np.max(mc["sd"] / ref_sd)),
         "seconds_per_round": float(np.median([r["seconds"] for r in rows[1:]]))

@@ -43,9 +43,10 @@ further independence steps over the other independence proposals of its island
 (:func:`pool_moves`). Those cost the clients nothing: they evaluated every proposal already.
 With ``gradient`` the walk drifts along the tempered target's gradient (:func:`drift`, a
 Metropolis-adjusted Langevin step): the clients send their log-likelihood's gradient at each
-proposal too, by Fisher's identity over draws that are the same at every proposal where there
-are local sites, so the drift is a function of the particle (and its Laplace fit) alone and
-the refreshes of the auxiliary draws leave the step's ratio exact.
+proposal too, where there are local sites the gradient of the Laplace approximation of their
+marginal (:func:`~fedppl.algorithms.importance.laplace_gradient`), so the drift is a function
+of the particle (and its Laplace fit) alone and the refreshes of the auxiliary draws leave the
+step's ratio exact.
 
 ``islands``: the particles are split into equal islands that are resampled separately (the
 temperature and the proposals are shared), so the spread of the islands' means gives an honest
@@ -64,7 +65,7 @@ import jax
 import jax.numpy as jnp
 from jax import Array
 
-from fedppl.algorithms.importance import laplace_estimate, laplace_fit
+from fedppl.algorithms.importance import laplace_estimate, laplace_fit, laplace_gradient
 from fedppl.algorithms.smc_kernels import (
     drift,
     fit,
@@ -203,7 +204,7 @@ class Message(NamedTuple):
     over the proposals of its log-estimates' estimated variance (0 without local sites: exact;
     a diagnostic of the estimates' noise, which slows the moves), and with gradient moves the
     gradient in ``theta`` of its log-likelihood at each proposal ``(N, D)`` (with local sites,
-    Fisher's identity over fixed draws from the proposal's Laplace fit: a deterministic function
+    the gradient of the Laplace approximation at the proposal's fit: a deterministic function
     of the proposal and its fit, whatever the particle's auxiliary draws; ``(N, 0)`` without)."""
 
     current: Array
@@ -283,24 +284,19 @@ def make_trio(log_lik: Callable, log_prior: Callable, local_dim: int, settings: 
 
         return _map(one, (theta, keys, mode, chol), settings.batch_size)
 
-    def scores(f, theta, mode, chol):
+    def scores(f, theta, mode):
         """Each particle's log-likelihood gradient in ``theta`` (with gradient moves): exact
-        without local sites, else the gradient of an importance estimate over fixed normal
-        draws from the Laplace fit (Fisher's identity: the weighted mean of the joint's
-        gradient), so a deterministic function of the particle and its fit, which the
-        client's refreshes of the auxiliary draws leave alone."""
+        without local sites, else the gradient of the Laplace approximation of its marginal
+        over the local sites at the particle's fitted mode (:func:`laplace_gradient`): a
+        deterministic function of the particle and its fit, which the client's refreshes of
+        the auxiliary draws leave alone, and without Monte Carlo noise."""
         if not settings.gradient:
             return jnp.zeros((theta.shape[0], 0), theta.dtype)
         if d == 0:
             return _map(jax.grad(lambda th: f(th, jnp.zeros(0, th.dtype))), theta,
                         settings.batch_size)
-        fixed = jax.random.key(0)
 
-        def one(args):
-            th, m, c = args
-            return jax.grad(lambda t: laplace_estimate(lambda z: f(t, z), m, c, fixed, M)[0])(th)
-
-        return _map(one, (theta, mode, chol), settings.batch_size)
+        return _map(lambda args: laplace_gradient(f, *args), (theta, mode), settings.batch_size)
 
     def fits(f, theta, guide, start):
         """Each particle's Laplace fit of its local sites at ``theta``, from the private guide's
@@ -323,7 +319,7 @@ def make_trio(log_lik: Callable, log_prior: Callable, local_dim: int, settings: 
         est, var = estimates(f, bc.theta, keys, mode, chol)
         pending = Pending(keys, est, keys, mode, chol, est)
         return (Message(est, est, jnp.ones((), est.dtype), jnp.median(var),
-                        scores(f, bc.theta, mode, chol)),
+                        scores(f, bc.theta, mode)),
                 ClientState(keys, mode, chol, est, client.guide, pending))
 
     def move(bc: Broadcast, client: ClientState, f, key):
@@ -350,7 +346,7 @@ def make_trio(log_lik: Callable, log_prior: Callable, local_dim: int, settings: 
         proposal_keys = jnp.where(bc.fresh[:, None], fresh, keys)
         mode, chol = fits(f, bc.proposal, client.guide, before.mode)
         moved, var = estimates(f, bc.proposal, proposal_keys, mode, chol)
-        return (Message(est, moved, rate, jnp.median(var), scores(f, bc.proposal, mode, chol)),
+        return (Message(est, moved, rate, jnp.median(var), scores(f, bc.proposal, mode)),
                 before._replace(pending=Pending(keys, est, proposal_keys, mode, chol, moved)))
 
     def client_update(bc: Broadcast, client: ClientState, data, mask, key, index):

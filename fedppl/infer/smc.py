@@ -213,7 +213,8 @@ class SMC(FederatedMethod):
     :param gradient: the random walk drifts along the tempered target's gradient (a
         Metropolis-adjusted Langevin step, preconditioned by the particles' covariance): each
         client also sends its log-likelihood's gradient at each proposal (``N D`` more numbers
-        a round; with local sites, by Fisher's identity over fixed draws from its Laplace fit).
+        a round; with local sites, the gradient of its Laplace approximation:
+        :func:`fedppl.algorithms.importance.laplace_gradient`).
     :param inflate: the start's covariance is multiplied by this (default 2: a Gaussian
         answer is usually too narrow, and a start wider than the target is safer, since the
         reweighting narrows a cloud and only the moves widen it).

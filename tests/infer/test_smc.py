@@ -94,16 +94,18 @@ def test_random_intercepts_reach_the_exact_posterior(intercepts):
     assert draws["tau"].shape == (300,) and np.all(np.asarray(draws["tau"]) > 0)
 
 
-def test_random_intercepts_in_float32():
-    """The same in float32 (data, PVI and the sampler): the quadrature's moments within the
-    stated Monte Carlo error and 0.05 sd."""
+@pytest.mark.parametrize("gradient", [False, True])
+def test_random_intercepts_in_float32(gradient):
+    """The same in float32 (data, PVI and the sampler; with the gradient moves too, the
+    clients' Laplace gradients in float32): the quadrature's moments within the stated Monte
+    Carlo error and 0.05 sd."""
     with jax.enable_x64(False):
         groups, clients = _groups(3, dtype=np.float32)
         guide = fedppl.PVIGuide(random_intercepts, ("mu", "tau"), family="fullrank")
         res = fedppl.PVI(random_intercepts, guide).run(jax.random.key(0), clients, 6,
                                                        progress_bar=False, n_groups=2)
         out = res.refine(jax.random.key(1), clients, num_particles=N, islands=ISLANDS,
-                         local_draws=2, progress_bar=False)
+                         local_draws=2, gradient=gradient, progress_bar=False)
         assert out.particles.dtype == np.float32 and out.reached
         mean, sd = grid_posterior([g_.astype(np.float64) for g_ in groups])
         _within_mc_error(out, mean, sd, slack=0.05)
@@ -310,9 +312,9 @@ def test_gradient_moves_reach_the_closed_form(linear):
 
 
 def test_gradient_moves_with_local_sites(intercepts):
-    """``gradient=True`` with local sites (the clients' gradients by Fisher's identity over
-    their Laplace fits' fixed draws): the quadrature's moments within the stated Monte
-    Carlo error, as without."""
+    """``gradient=True`` with local sites (the clients' gradients of their Laplace
+    approximations): the quadrature's moments within the stated Monte Carlo error, as
+    without."""
     res, clients, (mean, sd), _ = intercepts
     out = res.refine(jax.random.key(1), clients, num_particles=N, islands=ISLANDS,
                      local_draws=2, gradient=True, progress_bar=False)
