@@ -26,6 +26,7 @@ Run::
     python benchmarks/smc_breadth.py --tasks breast-cancer --clients 100 \\
         --out benchmarks/results/smc_breadth_k100.json
     python benchmarks/smc_breadth.py --tasks funnels --out benchmarks/results/smc_funnels.json
+    python benchmarks/smc_breadth.py --gradient --out benchmarks/results/smc_breadth_gradient.json
     python benchmarks/smc_breadth.py --quick
 
 Prints a table and writes JSON to ``--out`` (default benchmarks/results/smc_breadth.json).
@@ -64,7 +65,8 @@ BENCHMARK = {
     "quick": ["--quick", "--tasks", "breast-cancer"],
     "full": [[],
              ["--tasks", "breast-cancer", "--clients", "100", "--out",
-              "benchmarks/results/smc_breadth_k100.json"]],
+              "benchmarks/results/smc_breadth_k100.json"],
+             ["--gradient", "--out", "benchmarks/results/smc_breadth_gradient.json"]],
     "cost": "quick ~1 min (breast cancer); full ~10 min",
 }
 
@@ -134,16 +136,17 @@ def scores(mean, cov, ref_mean, ref_sd, ref_ess, mcse=None) -> dict:
 def sampled(res, clients, seed: int, ref, args, **model_kwargs) -> dict:
     """``refine`` with the defaults (the sampler is forced where it would not be chosen, to
     measure it): its errors, its own Monte Carlo error, rounds, seconds."""
+    extra = {"gradient": True} if args.gradient else {}  # refine passes it to the sampler
     t0 = time.perf_counter()
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always", UserWarning)
         out = res.refine(jax.random.key(100 + seed), clients, num_rounds=args.rounds,
-                         progress_bar=False, **model_kwargs)
+                         progress_bar=False, **extra, **model_kwargs)
         forced = not hasattr(out, "particles")
         if forced:  # the check passed q: the importance refinement was chosen; measure both
             imp = out
             out = res.refine(jax.random.key(100 + seed), clients, num_rounds=args.rounds,
-                             method="smc", progress_bar=False, **model_kwargs)
+                             method="smc", progress_bar=False, **extra, **model_kwargs)
     wall = time.perf_counter() - t0
     h = out.history
     row = scores(*out.mean_and_cov(), *ref, mcse=out.mcse())
@@ -216,6 +219,8 @@ def main() -> None:
     ap.add_argument("--pvi-rounds", type=int, default=20)
     ap.add_argument("--rounds", type=int, default=50, help="the sampler's rounds at most")
     ap.add_argument("--ref-samples", type=int, default=5000)
+    ap.add_argument("--gradient", action="store_true",
+                    help="the sampler's gradient moves (a Langevin walk; default: off)")
     ap.add_argument("--quick", action="store_true")
     ap.add_argument("--out", default="benchmarks/results/smc_breadth.json")
     args = ap.parse_args()
