@@ -200,13 +200,14 @@ def laplace_gradient(f: Callable[[Array, Array], Array], theta: Array, mode: Arr
         P = -jax.hessian(lambda u: f(t, u))(z)
         return 0.5 * (P + P.T)
 
-    def half_log_det(t, z):
-        return -jnp.sum(jnp.log(jnp.diagonal(jnp.linalg.cholesky(precision(t, z)))))
+    def half_log_det(t, z):  # and P itself, built once
+        P = precision(t, z)
+        return -jnp.sum(jnp.log(jnp.diagonal(jnp.linalg.cholesky(P)))), P
 
     df = jax.grad(f)(theta, mode)
-    dh_t, dh_z = jax.grad(half_log_det, (0, 1))(theta, mode)
+    (dh_t, dh_z), P = jax.grad(half_log_det, (0, 1), has_aux=True)(theta, mode)
     cross = jax.jacfwd(lambda t: jax.grad(f, 1)(t, mode))(theta)  # (d, D)
-    rest = dh_t + cross.T @ jnp.linalg.solve(precision(theta, mode), dh_z)
+    rest = dh_t + cross.T @ jnp.linalg.solve(P, dh_z)
     return df + jnp.where(jnp.all(jnp.isfinite(rest)), rest, 0.0)
 
 
