@@ -206,8 +206,9 @@ def laplace_gradient(f: Callable[[Array, Array], Array], theta: Array, mode: Arr
 
     df = jax.grad(f)(theta, mode)
     (dh_t, dh_z), P = jax.grad(half_log_det, (0, 1), has_aux=True)(theta, mode)
-    cross = jax.jacfwd(lambda t: jax.grad(f, 1)(t, mode))(theta)  # (d, D)
-    rest = dh_t + cross.T @ jnp.linalg.solve(P, dh_z)
+    v = jnp.linalg.solve(P, dh_z)
+    # (d2f/dz dtheta)' v as one reverse pass through df/dz . v, not a (d, D) Jacobian
+    rest = dh_t + jax.grad(lambda t: jnp.dot(jax.grad(f, 1)(t, mode), v))(theta)
     return df + jnp.where(jnp.all(jnp.isfinite(rest)), rest, 0.0)
 
 
