@@ -27,6 +27,8 @@ Run::
         --out benchmarks/results/smc_breadth_k100.json
     python benchmarks/smc_breadth.py --tasks funnels --out benchmarks/results/smc_funnels.json
     python benchmarks/smc_breadth.py --gradient --out benchmarks/results/smc_breadth_gradient.json
+    python benchmarks/smc_breadth.py --gradient --persistence 0.97 --uniform-step 0.05 \
+        --rw-target 0.5 --out benchmarks/results/smc_breadth_persistence.json
     python benchmarks/smc_breadth.py --quick
 
 Prints a table and writes JSON to ``--out`` (default benchmarks/results/smc_breadth.json).
@@ -66,7 +68,9 @@ BENCHMARK = {
     "full": [[],
              ["--tasks", "breast-cancer", "--clients", "100", "--out",
               "benchmarks/results/smc_breadth_k100.json"],
-             ["--gradient", "--out", "benchmarks/results/smc_breadth_gradient.json"]],
+             ["--gradient", "--out", "benchmarks/results/smc_breadth_gradient.json"],
+             ["--gradient", "--persistence", "0.97", "--uniform-step", "0.05", "--rw-target",
+              "0.5", "--out", "benchmarks/results/smc_breadth_persistence.json"]],
     "cost": "quick ~1 min (breast cancer); full ~10 min",
 }
 
@@ -136,7 +140,10 @@ def scores(mean, cov, ref_mean, ref_sd, ref_ess, mcse=None) -> dict:
 def sampled(res, clients, seed: int, ref, args, **model_kwargs) -> dict:
     """``refine`` with the defaults (the sampler is forced where it would not be chosen, to
     measure it): its errors, its own Monte Carlo error, rounds, seconds."""
-    extra = {"gradient": True} if args.gradient else {}  # refine passes it to the sampler
+    extra: dict = {"gradient": True} if args.gradient else {}  # refine passes them on
+    for name in ("persistence", "uniform_step", "rw_target"):
+        if getattr(args, name) is not None:
+            extra[name] = getattr(args, name)
     t0 = time.perf_counter()
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always", UserWarning)
@@ -220,7 +227,16 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=50, help="the sampler's rounds at most")
     ap.add_argument("--ref-samples", type=int, default=5000)
     ap.add_argument("--gradient", action="store_true",
-                    help="the sampler's gradient moves (a Langevin walk; default: off)")
+                    help="the sampler's gradient moves (the walk kicked by the gradient; "
+                         "default: off)")
+    ap.add_argument("--persistence", type=float, default=None,
+                    help="the share of the walk's momentum kept from round to round "
+                         "(default: the sampler's, 0)")
+    ap.add_argument("--uniform-step", type=float, default=None,
+                    help="the step of each particle's carried acceptance uniform (default: "
+                         "the sampler's, 0)")
+    ap.add_argument("--rw-target", type=float, default=None,
+                    help="the walk's acceptance target (default: the sampler's)")
     ap.add_argument("--quick", action="store_true")
     ap.add_argument("--out", default="benchmarks/results/smc_breadth.json")
     args = ap.parse_args()

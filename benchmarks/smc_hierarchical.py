@@ -72,6 +72,11 @@ BENCHMARK = {
               "benchmarks/results/smc_hierarchical_pool_steps16.json"],
              ["--past-done", "--gradient", "--out",
               "benchmarks/results/smc_hierarchical_gradient.json"],
+             ["--past-done", "--gradient", "--persistence", "0.9", "--rw-target", "0.5",
+              "--out", "benchmarks/results/smc_hierarchical_persistence09.json"],
+             ["--past-done", "--gradient", "--persistence", "0.97", "--uniform-step", "0.05",
+              "--rw-target", "0.5", "--out",
+              "benchmarks/results/smc_hierarchical_persistence097_carried.json"],
              ["--past-done", "--starts", "ep", "--out",
               "benchmarks/results/smc_hierarchical_ep.json"],
              ["--past-done", "--independent", "0.1", "--out",
@@ -129,6 +134,12 @@ def sample(res, clients, seed: int, ref_mean, ref_sd, args) -> dict:
         settings["pool_steps"] = args.pool_steps
     if args.gradient:
         settings["gradient"] = True
+    if args.persistence is not None:
+        settings["persistence"] = args.persistence
+    if args.rw_target is not None:
+        settings["rw_target"] = args.rw_target
+    if args.uniform_step is not None:
+        settings["uniform_step"] = args.uniform_step
     if args.inflate is not None:
         settings["inflate"] = args.inflate
     if args.independent is not None:
@@ -198,7 +209,16 @@ def main() -> None:
                     help="each particle's independence steps over its island's proposals per "
                          "round (default: the sampler's)")
     ap.add_argument("--gradient", action="store_true",
-                    help="the sampler's gradient moves (a Langevin walk; default: off)")
+                    help="the sampler's gradient moves (the walk kicked by the gradient; "
+                         "default: off)")
+    ap.add_argument("--persistence", type=float, default=None,
+                    help="the share of the walk's momentum kept from round to round "
+                         "(default: the sampler's, 0)")
+    ap.add_argument("--uniform-step", type=float, default=None,
+                    help="the step of each particle's carried acceptance uniform (default: the "
+                         "sampler's, 0: a fresh uniform each round)")
+    ap.add_argument("--rw-target", type=float, default=None,
+                    help="the walk's acceptance target (default: the sampler's)")
     ap.add_argument("--independent", type=float, default=None,
                     help="the share of independence proposals (default: the sampler's)")
     ap.add_argument("--inflate", type=float, default=None,

@@ -41,12 +41,18 @@ auxiliary draws (a random walk keeps the particle's), so the proposal with its e
 draw independent of every particle: after its own move, each particle takes ``pool_steps``
 further independence steps over the other independence proposals of its island
 (:func:`pool_moves`). Those cost the clients nothing: they evaluated every proposal already.
-With ``gradient`` the walk drifts along the tempered target's gradient (:func:`drift`, a
-Metropolis-adjusted Langevin step): the clients send their log-likelihood's gradient at each
-proposal too, where there are local sites the gradient of the Laplace approximation of their
-marginal (:func:`~fedppl.algorithms.importance.laplace_gradient`), so the drift is a function
-of the particle (and its Laplace fit) alone and the refreshes of the auxiliary draws leave the
-step's ratio exact.
+The walk is one leapfrog step of Hamiltonian Monte Carlo (preconditioned by the particles'
+covariance) with a momentum the server keeps for each particle: ``persistence`` of it is kept
+from round to round, a rejected particle turns back (generalised HMC: Horowitz, 1991), so with
+``persistence`` near 1 the walk travels over many rounds as one trajectory would, at one
+exchange a round; with 0 it is a random walk, or with ``gradient`` a Metropolis-adjusted
+Langevin step. With ``gradient`` the step is kicked by the tempered target's gradient
+(:func:`kick`): the clients send their log-likelihood's gradient at each proposal too, where
+there are local sites the gradient of the Laplace approximation of their marginal
+(:func:`~fedppl.algorithms.importance.laplace_gradient`), so the kick is a function of the
+particle (and its Laplace fit) alone and the refreshes of the auxiliary draws leave the step's
+ratio exact (a leapfrog step with any force that depends on the position alone keeps volume
+and is reversed by flipping the momentum).
 
 ``islands``: the particles are split into equal islands that are resampled separately (the
 temperature and the proposals are shared), so the spread of the islands' means gives an honest
@@ -67,16 +73,17 @@ from jax import Array
 
 from fedppl.algorithms.importance import laplace_estimate, laplace_fit, laplace_gradient
 from fedppl.algorithms.smc_kernels import (
-    drift,
+    carried_accept,
     fit,
     island_ess,
+    kick,
     log_independent,
-    log_walk,
     next_temperature,
     pool_moves,
     propose,
     resample,
     scaled,
+    walk_end,
 )
 from fedppl.algorithms.trio import Trio
 from fedppl.families import gaussian as g
@@ -100,9 +107,13 @@ class Settings(NamedTuple):
     multipliers), ``rw_target`` (the random walk's acceptance), ``batch_size`` (particles a
     client evaluates at once), ``pool_steps`` (each particle's further independence steps per
     round over its island's independence proposals: :func:`pool_moves`; 0: none),
-    ``gradient`` (the random walk drifts along the tempered target's gradient, preconditioned
-    by the particles' covariance: a Metropolis-adjusted Langevin step; the clients send their
-    log-likelihood's gradient at each proposal: :func:`drift`)."""
+    ``gradient`` (the walk is kicked by the tempered target's gradient, preconditioned by the
+    particles' covariance; the clients send their log-likelihood's gradient at each proposal:
+    :func:`kick`), ``persistence`` (the share of the walk's momentum kept from one round to
+    the next: 0, a fresh momentum each round; near 1, particles keep going the way they went:
+    :func:`propose`), ``uniform_step`` (each particle carries the uniform of its acceptance
+    decisions and moves it by this much a round, so that rejections come in runs:
+    :func:`carried_accept`; 0: a fresh uniform each round)."""
 
     num_particles: int = 1000
     islands: int = 10
@@ -117,6 +128,8 @@ class Settings(NamedTuple):
     batch_size: int = 256
     pool_steps: int = 0
     gradient: bool = False
+    persistence: float = 0.0
+    uniform_step: float = 0.0
 
 
 class Broadcast(NamedTuple):
@@ -143,8 +156,11 @@ class ServerState(NamedTuple):
     incremental log weights of the last reweighting (for its k-hat), the stage (temperatures
     so far), the moves at temperature 1, the last round's acceptance and ESS, the reference
     ``q0`` the particles started from, each client's last log-likelihoods ``(K, N)`` (what
-    its next message is judged against), and the clients' summed log-likelihood gradient at
-    each particle ``(N, D)`` (``(N, 0)`` without gradient moves: :func:`drift`)."""
+    its next message is judged against), the clients' summed log-likelihood gradient at
+    each particle ``(N, D)`` (``(N, 0)`` without gradient moves: :func:`kick`), and each
+    particle's whitened momentum ``(N, D)``, as refreshed for its last proposal
+    (:func:`propose`), and the uniform each carries for its decisions ``(N,)``
+    (:func:`carried_accept`)."""
 
     theta: Array
     proposal: Array
@@ -165,6 +181,8 @@ class ServerState(NamedTuple):
     reference: g.Gaussian
     client_log_lik: Array
     score: Array
+    momentum: Array
+    lift: Array
 
 
 class Pending(NamedTuple):
@@ -241,7 +259,9 @@ def server_init(key: Array, q0: g.Gaussian, num_clients: int, settings: Settings
                        jnp.zeros((), jnp.int32), jnp.zeros((), jnp.int32), zero,
                        jnp.ones((), theta.dtype), q0,
                        jnp.zeros((num_clients, N), theta.dtype),
-                       jnp.zeros((N, D if settings.gradient else 0), theta.dtype))
+                       jnp.zeros((N, D if settings.gradient else 0), theta.dtype),
+                       jnp.zeros((N, D), theta.dtype),
+                       jax.random.uniform(jax.random.fold_in(key, 1), (N,), theta.dtype, -1, 1))
 
 
 def client_init(num_particles: int, local_dim: int, guide: g.Conditional | None,
@@ -392,31 +412,34 @@ def make_trio(log_lik: Callable, log_prior: Callable, local_dim: int, settings: 
         new = l0_new + proposed
         target = lq + scaled(state.beta, cur)  # the tempered target's log density
         target_new = lq_new + scaled(state.beta, new)
-        # the particle's own proposal: a random walk (symmetric), or an independence draw
+        # the particle's own proposal: a walk (its ratio from the momenta), or an independence draw
         lg = log_independent(state.theta, state.centre, state.chol, settings.scales)
         lg_new = log_independent(state.proposal, state.centre, state.chol, settings.scales)
         fresh = state.kind > 0
         # the clients' summed gradients at the proposals (a row with a non-finite entry, as
-        # at a proposal the data rule out, is taken as zero: the drift stays a function of
+        # at a proposal the data rule out, is taken as zero: the kick stays a function of
         # the proposal), and at the particles (their own, sent with them at the set-up)
         score_new = jnp.sum(jnp.where(ok, msgs.score, 0.0), 0)
         finite = jnp.all(jnp.isfinite(score_new), -1, keepdims=True)
         score_new = jnp.where(finite, score_new, 0.0)
         score = jnp.where(state.start, score_new, state.score)
-        walk_ratio = jnp.zeros_like(target)
-        if settings.gradient:  # the Langevin walk's proposal densities, back and forth
-            def at(x, s):
-                return drift(target_grad(state.reference, x, s, state.beta), state.chol,
-                             state.rw_scale)
-
-            walk_ratio = (log_walk(state.theta, state.proposal, at(state.proposal, score_new),
-                                   state.chol, state.rw_scale)
-                          - log_walk(state.proposal, state.theta, at(state.theta, score),
-                                     state.chol, state.rw_scale))
+        kicks = jnp.zeros((2, *state.theta.shape), state.theta.dtype)
+        if settings.gradient:  # the leapfrog step's kicks, at the particle and the proposal
+            kicks = jnp.stack([
+                kick(target_grad(state.reference, x, s, state.beta), state.chol, state.rw_scale)
+                for x, s in ((state.theta, score), (state.proposal, score_new))])
+        momentum_new, walk_ratio = walk_end(state.momentum, *kicks)
         log_ratio = target_new - target + jnp.where(fresh, lg - lg_new, walk_ratio)
         k_acc, k_pool = jax.random.split(k_acc)
-        u = jax.random.uniform(k_acc, log_ratio.shape, log_ratio.dtype)
-        accepted = (jnp.log(u) < jnp.nan_to_num(log_ratio, nan=-jnp.inf)) & ok & ~state.start
+        log_ratio = jnp.nan_to_num(log_ratio, nan=-jnp.inf)
+        lift = state.lift
+        if settings.uniform_step > 0:  # each particle's carried uniform
+            accepted, carried = carried_accept(log_ratio, lift, settings.uniform_step)
+            lift = jnp.where(ok & ~state.start, carried, lift)
+        else:
+            accepted = jnp.log(jax.random.uniform(k_acc, log_ratio.shape,
+                                                  log_ratio.dtype)) < log_ratio
+        accepted = accepted & ok & ~state.start
         N = log_ratio.shape[0]
         place = jnp.arange(N, dtype=jnp.int32)
         source = jnp.where(accepted, N + place, place)
@@ -426,12 +449,16 @@ def make_trio(log_lik: Callable, log_prior: Callable, local_dim: int, settings: 
         pick = pool_moves(k_pool, jnp.where(accepted, pool, target - lg), pool, usable,
                           settings.islands, settings.pool_steps)
         source = jnp.where(pick >= 0, N + pick, source)
+        # a walk accepted goes on with the step's momentum, one rejected turns back
+        walk = (state.kind == 0) & ~state.start
+        momentum = jnp.where((walk & ok)[:, None],
+                             jnp.where(accepted[:, None], momentum_new, -state.momentum),
+                             state.momentum)
         theta = jnp.concatenate([state.theta, state.proposal])[source]
         log_lik = jnp.where(ok, jnp.concatenate([cur, new])[source], state.log_lik)
         score = jnp.where(ok, jnp.concatenate([score, score_new])[source], state.score)
         went = source != place
         moved = state.moved | went
-        walk = (state.kind == 0) & ~state.start
         rate_walk = jnp.sum(accepted & walk) / jnp.maximum(jnp.sum(walk), 1)
         rw_scale = jnp.where(ok & jnp.any(walk),
                              state.rw_scale * jnp.exp(rate_walk - settings.rw_target),
@@ -447,11 +474,14 @@ def make_trio(log_lik: Callable, log_prior: Callable, local_dim: int, settings: 
         theta, log_lik, score = theta[ancestors], log_lik[ancestors], score[ancestors]
         moved = jnp.where(temper, False, moved)
         centre, chol = fit(theta)
-        shift = None
-        if settings.gradient:  # the Langevin walk's drift
-            shift = drift(target_grad(state.reference, theta, score, beta), chol, rw_scale)
-        proposal, kind = propose(k_prop, theta, centre, chol, rw_scale, settings.scales,
-                                 settings.independent, shift)
+        first = None
+        if settings.gradient:  # the leapfrog step's first kick
+            first = kick(target_grad(state.reference, theta, score, beta), chol, rw_scale)
+        # the momenta follow their particles; a resampled cloud starts afresh
+        proposal, kind, momentum = propose(
+            k_prop, theta, centre, chol, rw_scale, settings.scales, settings.independent,
+            momentum[ancestors], jnp.where(temper, 0.0, settings.persistence), first)
+        lift = lift[ancestors]
         at_one = (state.beta >= 1) & ok
         own = jnp.concatenate([msgs.current, msgs.proposed], 1)[:, source[ancestors]]
         client_log_lik = jnp.where(ok, own, state.client_log_lik[:, ancestors])
@@ -460,7 +490,7 @@ def make_trio(log_lik: Callable, log_prior: Callable, local_dim: int, settings: 
             centre, chol, kind, jnp.where(temper, increment, state.increment),
             state.stage + temper, state.final_moves + at_one,
             jnp.where(state.start, jnp.nan, jnp.mean(went)).astype(theta.dtype),
-            ess.astype(theta.dtype), state.reference, client_log_lik, score)
+            ess.astype(theta.dtype), state.reference, client_log_lik, score, momentum, lift)
         replies = Reply(jnp.broadcast_to(source, (K, *source.shape)),
                         jnp.broadcast_to(ok, (K,)), refused | ~received)
         return new_state, replies

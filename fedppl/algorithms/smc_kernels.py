@@ -4,10 +4,11 @@ trio): pure, jit-able functions of the particles and the sums of the clients' nu
 * tempering: :func:`island_ess`, :func:`next_temperature` (bisection: blackjax's
   ``smc.solver.dichotomy``) and :func:`resample` (blackjax's systematic resampling, within each
   island);
-* proposals: :func:`fit` (the particles' mean and covariance factor), :func:`propose` (random
-  walk, or a scale mixture of Gaussians fitted to the particles), the Langevin walk's
-  :func:`drift` and its density :func:`log_walk`, the mixture's density
-  :func:`log_independent`, and the pooled independence steps :func:`pool_moves`.
+* proposals: :func:`fit` (the particles' mean and covariance factor), :func:`propose` (a walk:
+  one leapfrog step with a partly refreshed momentum, or a scale mixture of Gaussians fitted
+  to the particles), the walk's gradient :func:`kick` and its end :func:`walk_end`, the
+  mixture's density :func:`log_independent`, and the pooled independence steps
+  :func:`pool_moves`.
 
 Example (the server's pieces: the next temperature keeps half of each island's effective
 particles, and resampling stays within the islands; :mod:`fedppl.infer.smc` builds the trio
@@ -30,8 +31,8 @@ import jax.numpy as jnp
 from jax import Array
 from jax.scipy.special import logsumexp
 
-__all__ = ["island_ess", "scaled", "next_temperature", "resample", "fit", "propose", "drift",
-           "log_walk", "log_independent", "pool_moves"]
+__all__ = ["island_ess", "scaled", "next_temperature", "resample", "fit", "propose", "kick",
+           "walk_end", "carried_accept", "log_independent", "pool_moves"]
 
 
 def island_ess(log_weights: Array, islands: int) -> Array:
@@ -83,43 +84,77 @@ def fit(theta: Array) -> tuple[Array, Array]:
 
 
 def propose(key: Array, theta: Array, centre: Array, chol: Array, rw_scale: Array,
-            scales: tuple[float, ...], independent: float, shift: Array | None = None
-            ) -> tuple[Array, Array]:
-    """Proposals ``(N, D)`` and their kinds ``(N,)``: with probability ``independent`` an
-    independence draw (kind ``j + 1``: component ``j`` of the scale mixture, covariance
-    ``scales[j] chol chol'`` around ``centre``), else a random walk (kind 0: covariance
-    ``rw_scale^2 chol chol'``, its mean moved by ``shift`` ``(N, D)`` where given:
-    :func:`drift`)."""
+            scales: tuple[float, ...], independent: float, momentum: Array,
+            persistence: Array | float = 0.0, kick_from: Array | None = None
+            ) -> tuple[Array, Array, Array]:
+    """Proposals ``(N, D)``, their kinds ``(N,)`` and the walk's momenta ``(N, D)``.
+
+    With probability ``independent`` an independence draw (kind ``j + 1``: component ``j`` of
+    the scale mixture, covariance ``scales[j] chol chol'`` around ``centre``), else a walk
+    (kind 0): the particle's whitened momentum is partly refreshed, ``u = a momentum +
+    sqrt(1 - a^2) xi`` for ``a = persistence`` and a standard normal ``xi`` (0: a fresh draw),
+    and one leapfrog step from ``theta`` in the coordinates that ``chol`` whitens, of length
+    ``h = rw_scale``: ``theta + h chol (u + kick_from)`` for the half step's kick
+    (:func:`kick`; none: a plain random walk). The refreshed ``u`` is returned for every
+    particle (:func:`walk_end` completes the step and gives its ratio)."""
     k_kind, k_comp, k_eps = jax.random.split(key, 3)
     N = theta.shape[0]
-    eps = jax.random.normal(k_eps, theta.shape, theta.dtype) @ chol.T
+    xi = jax.random.normal(k_eps, theta.shape, theta.dtype)
     comp = jax.random.randint(k_comp, (N,), 0, len(scales))
     jumps = jax.random.uniform(k_kind, (N,)) < independent
-    walk = theta + rw_scale * eps + (0.0 if shift is None else shift)
-    jump = centre + jnp.sqrt(jnp.asarray(scales, theta.dtype)[comp])[:, None] * eps
+    a = jnp.asarray(persistence, theta.dtype)
+    u = a * momentum + jnp.sqrt(1 - a**2) * xi
+    walk = theta + rw_scale * ((u + (0.0 if kick_from is None else kick_from)) @ chol.T)
+    jump = centre + jnp.sqrt(jnp.asarray(scales, theta.dtype)[comp])[:, None] * (xi @ chol.T)
     return (jnp.where(jumps[:, None], jump, walk),
-            jnp.where(jumps, comp + 1, 0).astype(jnp.int32))
+            jnp.where(jumps, comp + 1, 0).astype(jnp.int32), u)
 
 
-def drift(grad: Array, chol: Array, rw_scale: Array) -> Array:
-    """The Langevin walk's mean shift ``(h^2 / 2) C grad`` at each particle ``(N, D)``, for the
-    tempered target's gradient ``grad`` ``(N, D)``, the particles' covariance
-    ``C = chol chol'`` and the walk's scale ``h``: the walk proposes
-    ``N(theta + shift, h^2 C)``, and :func:`log_walk` gives the density its acceptance needs.
+def kick(grad: Array, chol: Array, rw_scale: Array) -> Array:
+    """A leapfrog half step's change to the whitened momenta, ``(h / 2) chol' grad`` ``(N, D)``,
+    for the tempered target's gradient ``grad`` ``(N, D)`` (in the coordinates ``chol``
+    whitens, the gradient is ``chol' grad``; the step's length is ``h = rw_scale``). With a
+    fresh momentum, one leapfrog step is a Metropolis-adjusted Langevin step
+    ``N(theta + (h^2 / 2) C grad, h^2 C)``, ``C = chol chol'``.
 
     >>> import jax.numpy as jnp
-    >>> drift(jnp.asarray([[1.0, -2.0]]), jnp.diag(jnp.asarray([2.0, 1.0])), 0.5).tolist()
-    [[0.5, -0.25]]
+    >>> kick(jnp.asarray([[1.0, -2.0]]), jnp.diag(jnp.asarray([2.0, 1.0])), 0.5).tolist()
+    [[0.5, -0.5]]
     """
-    return 0.5 * rw_scale**2 * (grad @ chol) @ chol.T
+    return 0.5 * rw_scale * grad @ chol
 
 
-def log_walk(x_to: Array, x_from: Array, shift: Array, chol: Array, rw_scale: Array) -> Array:
-    """Log density of the walk's proposal ``x_to`` from ``x_from`` with mean shift ``shift``
-    (rows; up to a constant the same for every pair at one ``chol`` and ``rw_scale``, which
-    cancels in a Metropolis-Hastings ratio)."""
-    u = jax.scipy.linalg.solve_triangular(chol, (x_to - x_from - shift).T, lower=True).T
-    return -0.5 * jnp.sum(u**2, -1) / rw_scale**2
+def walk_end(momentum: Array, kick_from: Array, kick_to: Array) -> tuple[Array, Array]:
+    """The leapfrog step's end: the momenta at the proposals, ``u + kick_from + kick_to``, and
+    the log of the step's Metropolis-Hastings factor beside the target's ratio, the kinetic
+    energy's fall ``(|u|^2 - |u'|^2) / 2`` (the step with its momentum flipped is its own
+    inverse and keeps volume, so nothing else enters; without kicks it is 0: a random walk).
+    A rejected particle keeps its place with its momentum flipped (generalised Hamiltonian
+    Monte Carlo: Horowitz, 1991), so with ``persistence`` near 1 an accepted particle keeps
+    going the way it went."""
+    u_new = momentum + kick_from + kick_to
+    return u_new, 0.5 * (jnp.sum(momentum**2, -1) - jnp.sum(u_new**2, -1))
+
+
+def carried_accept(log_ratio: Array, lift: Array, step: float) -> tuple[Array, Array]:
+    """Metropolis-Hastings decisions with a uniform that each particle carries instead of
+    drawing (Neal, 2020): ``lift`` ``(N,)`` in ``[-1, 1)`` moves by ``step`` (wrapped), the move
+    is accepted where ``|lift| < exp(log_ratio)``, and an accepted particle's ``lift`` is divided
+    by that ratio. ``|lift|`` stays uniform whatever the particle (the pair is the particle with
+    a height under its density), so the target stays invariant. With a small ``step`` the
+    rejections come in runs, and a persistent walk turns back less often: two rejections in a
+    row turn it back twice. Returns the decisions and the new ``lift``.
+
+    >>> import jax.numpy as jnp
+    >>> ok, lift = carried_accept(jnp.log(jnp.asarray([0.5, 0.5])), jnp.asarray([0.1, 0.6]),
+    ...                           0.2)
+    >>> ok.tolist(), [round(v, 6) for v in lift.tolist()]
+    ([True, False], [0.6, 0.8])
+    """
+    lift = lift + step
+    lift = jnp.where(lift >= 1, lift - 2, lift)
+    ok = jnp.log(jnp.abs(lift)) < log_ratio
+    return ok, jnp.where(ok, lift * jnp.exp(-jnp.where(ok, log_ratio, 0.0)), lift)
 
 
 def log_independent(x: Array, centre: Array, chol: Array, scales: tuple[float, ...]) -> Array:

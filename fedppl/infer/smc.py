@@ -210,11 +210,21 @@ class SMC(FederatedMethod):
         these steps cost no computation at the clients and no exchange); 0 (the default):
         none. They save tempering rounds, but the stopping rule can then fire early: run past
         it (``stop=False``).
-    :param gradient: the random walk drifts along the tempered target's gradient (a
-        Metropolis-adjusted Langevin step, preconditioned by the particles' covariance): each
-        client also sends its log-likelihood's gradient at each proposal (``N D`` more numbers
-        a round; with local sites, the gradient of its Laplace approximation:
+    :param gradient: the walk is kicked by the tempered target's gradient (one leapfrog step,
+        preconditioned by the particles' covariance; with ``persistence=0`` a
+        Metropolis-adjusted Langevin step): each client also sends its log-likelihood's
+        gradient at each proposal (``N D`` more numbers a round; with local sites, the
+        gradient of its Laplace approximation:
         :func:`fedppl.algorithms.importance.laplace_gradient`).
+    :param persistence: the share of each particle's walk momentum kept from one round to the
+        next, in ``[0, 1)`` (0, the default: a fresh momentum every round). Near 1 the walk
+        travels over many rounds as one Hamiltonian trajectory would, one leapfrog step per
+        round, a rejected particle turning back (generalised HMC); raise ``rw_target`` with
+        it, since every rejection turns a particle back.
+    :param uniform_step: each particle carries the uniform of its acceptance decisions and
+        moves it by this much a round (Neal, 2020), in ``[0, 1)``; 0, the default: a fresh
+        uniform each round. With a small step rejections come in runs, so a persistent walk
+        turns back less often.
     :param inflate: the start's covariance is multiplied by this (default 2: a Gaussian
         answer is usually too narrow, and a start wider than the target is safer, since the
         reweighting narrows a cloud and only the moves widen it).
@@ -232,8 +242,8 @@ class SMC(FederatedMethod):
                  refreshes: int = 1, ess_target: float = 0.5, renew: float = 0.5,
                  final_renew: float = 0.9, final_moves: int = 3, independent: float = 0.5,
                  scales: tuple[float, ...] = (1.0, 2.0, 4.0), rw_target: float = 0.3,
-                 pool_steps: int = 0, gradient: bool = False, inflate: float = 2.0,
-                 batch_size: int = 256):
+                 pool_steps: int = 0, gradient: bool = False, persistence: float = 0.0,
+                 uniform_step: float = 0.0, inflate: float = 2.0, batch_size: int = 256):
         if not isinstance(guide, PVIGuide):
             raise TypeError(f"guide must be the fedppl.PVIGuide the start was fitted with, got "
                             f"{type(guide).__name__}")
@@ -260,6 +270,9 @@ class SMC(FederatedMethod):
             raise ValueError(f"independent must be in [0, 1], got {independent}")
         if not 0 < rw_target < 1:
             raise ValueError(f"rw_target must be in (0, 1), got {rw_target}")
+        for name, value in (("persistence", persistence), ("uniform_step", uniform_step)):
+            if not 0 <= value < 1:
+                raise ValueError(f"{name} must be in [0, 1), got {value}")
         scales = tuple(float(c) for c in scales)
         if not scales or not all(c > 0 and np.isfinite(c) for c in scales):
             raise ValueError(f"scales must be positive numbers, got {scales}")
@@ -272,7 +285,8 @@ class SMC(FederatedMethod):
             validation.positive_int(refreshes, "refreshes", minimum=0), float(ess_target),
             float(renew), float(independent), scales, float(rw_target),
             validation.positive_int(batch_size, "batch_size"),
-            validation.positive_int(pool_steps, "pool_steps", minimum=0), bool(gradient))
+            validation.positive_int(pool_steps, "pool_steps", minimum=0), bool(gradient),
+            float(persistence), float(uniform_step))
         self.final_renew = float(final_renew)
         self.final_moves = validation.positive_int(final_moves, "final_moves")
         self.inflate = float(inflate)

@@ -259,52 +259,109 @@ def test_pool_moves_leave_the_target_invariant(steps):
     assert abs(after.mean()) < 4 * se and abs(after.var() - 1) < 4 * np.sqrt(2) * se
 
 
+@pytest.mark.parametrize("persistence, carried", [(0.0, 0.0), (0.9, 0.0), (0.9, 0.1)])
 @pytest.mark.parametrize("faithful", [True, False])
-def test_the_langevin_walk_leaves_the_target_invariant(faithful):
+def test_the_leapfrog_walk_leaves_the_target_invariant(persistence, carried, faithful):
     """Particles distributed as the target (a correlated 2-d Gaussian) stay so after five
-    Langevin steps preconditioned by a covariance that is not the target's; a ratio that
-    left out the proposal's densities (the drift makes them unequal) would not: that one
-    is checked to fail, so the test can."""
+    leapfrog steps preconditioned by a covariance that is not the target's, with a fresh
+    momentum each step (a Langevin step) or 0.9 of it kept (a rejected particle turns back),
+    and with a fresh uniform each step or one carried (:func:`carried_accept`); a ratio that
+    left out the kinetic energy (the kicks make it change) would not: that one is checked to
+    fail, so the test can."""
     from jax.scipy.stats import multivariate_normal as mvn
 
-    from fedppl.algorithms.smc_kernels import drift, log_walk, propose
+    from fedppl.algorithms.smc_kernels import carried_accept, kick, propose, walk_end
 
     m, S = jnp.asarray([1.0, -1.0]), jnp.asarray([[1.0, 0.8], [0.8, 1.0]])
     P = jnp.linalg.inv(S)
     chol = jnp.linalg.cholesky(jnp.asarray([[2.0, 0.0], [0.0, 0.5]]))
     h, n = 0.8, 20_000
 
-    def step(x, key):
+    def step(carry, key):
+        x, u, lift = carry
         k_prop, k_u = jax.random.split(key)
-        there = drift(-(x - m) @ P, chol, h)
-        y, kind = propose(k_prop, x, m, chol, h, (1.0,), 0.0, there)
-        back = drift(-(y - m) @ P, chol, h)
-        ratio = mvn.logpdf(y, m, S) - mvn.logpdf(x, m, S)
-        if faithful:
-            ratio += log_walk(x, y, back, chol, h) - log_walk(y, x, there, chol, h)
-        ok = jnp.log(jax.random.uniform(k_u, (n,))) < ratio
-        return jnp.where(ok[:, None], y, x), (jnp.all(kind == 0), jnp.mean(ok))
+        there = kick(-(x - m) @ P, chol, h)
+        y, kind, u = propose(k_prop, x, m, chol, h, (1.0,), 0.0, u, persistence, there)
+        u_new, kinetic = walk_end(u, there, kick(-(y - m) @ P, chol, h))
+        ratio = mvn.logpdf(y, m, S) - mvn.logpdf(x, m, S) + (kinetic if faithful else 0.0)
+        if carried:
+            ok, lift = carried_accept(ratio, lift, carried)
+        else:
+            ok = jnp.log(jax.random.uniform(k_u, (n,))) < ratio
+        return ((jnp.where(ok[:, None], y, x), jnp.where(ok[:, None], u_new, -u), lift),
+                (jnp.all(kind == 0), jnp.mean(ok)))
 
     x0 = jax.random.multivariate_normal(jax.random.key(0), m, S, (n,))
-    x, (walks, rates) = jax.lax.scan(step, x0, jax.random.split(jax.random.key(1), 5))
+    u0 = jax.random.normal(jax.random.key(2), (n, 2))
+    lift0 = jax.random.uniform(jax.random.key(4), (n,), minval=-1.0, maxval=1.0)
+    (x, u, _), (walks, rates) = jax.lax.scan(step, (x0, u0, lift0),
+                                             jax.random.split(jax.random.key(1), 5))
     assert bool(jnp.all(walks)) and 0.2 < float(jnp.mean(rates)) < 0.95
-    x = np.asarray(x)
+    x, u = np.asarray(x), np.asarray(u)
     se = 1 / np.sqrt(n / 4)  # five steps of one chain per particle: generous
     off = max(np.max(np.abs(x.mean(0) - np.asarray(m))),
               np.max(np.abs(np.cov(x.T) - np.asarray(S))) / np.sqrt(2))
     assert (off < 4 * se) == faithful, off
+    if faithful:  # the momenta stay standard normal, uncorrelated with the positions
+        c = np.cov(np.hstack([x, u]).T)
+        assert np.max(np.abs(c[2:, 2:] - np.eye(2))) < 4 * np.sqrt(2) * se
+        assert np.max(np.abs(c[2:, :2])) < 4 * se
 
 
-def test_gradient_moves_reach_the_closed_form(linear):
+def test_persistent_momentum_and_a_carried_uniform_mix_faster():
+    """On a target with one direction eight times wider than the preconditioner says (10-d,
+    at the target from the start), 30 leapfrog steps of the same length leave the wide
+    coordinate correlated with its start at 0.8 or more with a fresh momentum each step
+    (Langevin steps diffuse), far less with 0.97 of it kept, and less again with the uniform
+    carried as well (rejections in runs turn the particles back less often): the reasons for
+    ``persistence`` and ``uniform_step``. Each run stays at the target."""
+    from fedppl.algorithms.smc_kernels import carried_accept, kick, propose, walk_end
+
+    n, D, h = 4000, 10, 0.9
+    sd, chol = jnp.ones(D).at[0].set(8.0), jnp.eye(D)
+
+    def run(persistence, carried):
+        def step(carry, key):
+            x, u, lift = carry
+            k_prop, k_u = jax.random.split(key)
+            there = kick(-x / sd**2, chol, h)
+            y, _, u = propose(k_prop, x, jnp.zeros(D), chol, h, (1.0,), 0.0, u, persistence,
+                              there)
+            u_new, kinetic = walk_end(u, there, kick(-y / sd**2, chol, h))
+            ratio = 0.5 * (jnp.sum((x / sd)**2, -1) - jnp.sum((y / sd)**2, -1)) + kinetic
+            if carried:
+                ok, lift = carried_accept(ratio, lift, carried)
+            else:
+                ok = jnp.log(jax.random.uniform(k_u, (n,))) < ratio
+            return (jnp.where(ok[:, None], y, x), jnp.where(ok[:, None], u_new, -u), lift), ok
+
+        x0 = sd * jax.random.normal(jax.random.key(0), (n, D))
+        start = (x0, jax.random.normal(jax.random.key(1), (n, D)),
+                 jax.random.uniform(jax.random.key(2), (n,), minval=-1.0, maxval=1.0))
+        (x, _, _), ok = jax.lax.scan(step, start, jax.random.split(jax.random.key(3), 30))
+        assert abs(float(jnp.std(x[:, 0])) / 8 - 1) < 0.06 and 0.6 < float(jnp.mean(ok)) < 0.95
+        return float(jnp.corrcoef(x[:, 0], x0[:, 0])[0, 1])
+
+    langevin, persistent, carried = run(0.0, 0.0), run(0.97, 0.0), run(0.97, 0.03)
+    assert langevin > 0.8 and persistent < langevin - 0.25 and carried < persistent - 0.2, (
+        langevin, persistent, carried)
+
+
+@pytest.mark.parametrize("persistence, uniform_step", [(0.0, 0.0), (0.9, 0.0), (0.95, 0.05)])
+def test_gradient_moves_reach_the_closed_form(linear, persistence, uniform_step):
     """``gradient=True`` without local sites (each client's exact gradient): from the off
-    start, the closed form within the stated Monte Carlo error; each client also sends its
-    gradient at every proposal, ``N D`` numbers more a round."""
+    start, the closed form within the stated Monte Carlo error, with a fresh momentum each
+    round (Langevin steps) or most of it kept (the server's momenta, resampled with their
+    particles), and with the acceptance uniforms carried; each client also sends its gradient
+    at every proposal, ``N D`` numbers more a round, and nothing more with persistence."""
     res, clients, mean, cov = linear
     sd = np.sqrt(np.diag(cov))
     off = g.FullGaussian.from_moments(mean + sd, cov / 4)
     out = fedppl.SMC(linear_model, res.guide, off, num_particles=N, islands=ISLANDS,
-                     gradient=True).run(jax.random.key(1), clients, 20, stop=False,
-                                        progress_bar=False, warn=False)
+                     gradient=True, persistence=persistence, uniform_step=uniform_step,
+                     rw_target=0.6 if persistence else 0.3
+                     ).run(jax.random.key(1), clients, 20, stop=False, progress_bar=False,
+                           warn=False)
     assert out.reached and np.nanmean(out.history["accepted"]) > 0.3
     _within_mc_error(out, mean, sd)
     D, K = len(mean), clients.num_clients
@@ -328,6 +385,10 @@ def test_bad_input_is_refused_before_anything_runs(linear, intercepts):
         fedppl.SMC(linear_model, res.guide, res.q, num_particles=50, islands=2)
     with pytest.raises(ValueError, match="islands"):
         fedppl.SMC(linear_model, res.guide, res.q, num_particles=1000, islands=7)
+    with pytest.raises(ValueError, match="persistence must be in"):
+        fedppl.SMC(linear_model, res.guide, res.q, persistence=1.0)
+    with pytest.raises(ValueError, match="uniform_step must be in"):
+        fedppl.SMC(linear_model, res.guide, res.q, uniform_step=-0.1)
     with pytest.raises(ValueError, match="islands"):
         fedppl.SMC(linear_model, res.guide, res.q, num_particles=200, islands=20)
     with pytest.raises(ValueError, match="local_draws must be even"):
