@@ -166,8 +166,11 @@ def test_pooled_steps_reach_the_closed_form_in_fewer_rounds(linear):
     _within_mc_error(runs[1], mean, sd)
 
 
-@pytest.mark.parametrize("gradient", [False, True])
-def test_float32_without_local_sites(gradient):
+@pytest.mark.parametrize("gradient, persistence", [(False, 0.0), (True, 0.0), (True, 0.9)])
+def test_float32_without_local_sites(gradient, persistence):
+    """float32 (x64 off) through the sampler: the closed form within the stated Monte Carlo
+    error and 0.05 sd, with the default walk, Langevin steps, or a persistent walk with its
+    acceptance uniform carried (the server's momenta and uniforms in float32)."""
     with jax.enable_x64(False):
         rng = np.random.default_rng(0)
         X = rng.normal(size=(150, 3)).astype(np.float32)
@@ -180,7 +183,9 @@ def test_float32_without_local_sites(gradient):
         start = g.FullGaussian.from_moments((mean + sd).astype(np.float32),
                                             (cov / 4).astype(np.float32))
         out = fedppl.SMC(linear_model, res.guide, start, num_particles=N, islands=ISLANDS,
-                         gradient=gradient).run(jax.random.key(1), clients, progress_bar=False)
+                         gradient=gradient, persistence=persistence,
+                         uniform_step=0.05 if persistence else 0.0
+                         ).run(jax.random.key(1), clients, progress_bar=False)
         assert out.particles.dtype == np.float32 and out.reached
         _within_mc_error(out, mean, sd, slack=0.05)
 
