@@ -59,6 +59,7 @@ import fedppl
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import ep_vs_pvi as bc
 from _provenance import stamp
+from _walk_options import add_walk_options, walk_settings
 
 BENCHMARK = {
     "summary": ("the federated SMC sampler beside PVI against pooled NUTS on breast cancer (K = "
@@ -140,10 +141,7 @@ def scores(mean, cov, ref_mean, ref_sd, ref_ess, mcse=None) -> dict:
 def sampled(res, clients, seed: int, ref, args, **model_kwargs) -> dict:
     """``refine`` with the defaults (the sampler is forced where it would not be chosen, to
     measure it): its errors, its own Monte Carlo error, rounds, seconds."""
-    extra: dict = {"gradient": True} if args.gradient else {}  # refine passes them on
-    for name in ("persistence", "uniform_step", "rw_target"):
-        if getattr(args, name) is not None:
-            extra[name] = getattr(args, name)
+    extra = walk_settings(args)  # refine passes them on to the sampler
     t0 = time.perf_counter()
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always", UserWarning)
@@ -226,17 +224,7 @@ def main() -> None:
     ap.add_argument("--pvi-rounds", type=int, default=20)
     ap.add_argument("--rounds", type=int, default=50, help="the sampler's rounds at most")
     ap.add_argument("--ref-samples", type=int, default=5000)
-    ap.add_argument("--gradient", action="store_true",
-                    help="the sampler's gradient moves (the walk kicked by the gradient; "
-                         "default: off)")
-    ap.add_argument("--persistence", type=float, default=None,
-                    help="the share of the walk's momentum kept from round to round "
-                         "(default: the sampler's, 0)")
-    ap.add_argument("--uniform-step", type=float, default=None,
-                    help="the step of each particle's carried acceptance uniform (default: "
-                         "the sampler's, 0)")
-    ap.add_argument("--rw-target", type=float, default=None,
-                    help="the walk's acceptance target (default: the sampler's)")
+    add_walk_options(ap)
     ap.add_argument("--quick", action="store_true")
     ap.add_argument("--out", default="benchmarks/results/smc_breadth.json")
     args = ap.parse_args()

@@ -60,6 +60,7 @@ import fedppl
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import ep_hierarchical as eh
 from _provenance import stamp
+from _walk_options import add_walk_options, walk_settings
 from ep_vs_pvi import errors
 
 BENCHMARK = {
@@ -132,14 +133,7 @@ def sample(res, clients, seed: int, ref_mean, ref_sd, args) -> dict:
         settings["local_draws"] = args.local_draws
     if args.pool_steps is not None:
         settings["pool_steps"] = args.pool_steps
-    if args.gradient:
-        settings["gradient"] = True
-    if args.persistence is not None:
-        settings["persistence"] = args.persistence
-    if args.rw_target is not None:
-        settings["rw_target"] = args.rw_target
-    if args.uniform_step is not None:
-        settings["uniform_step"] = args.uniform_step
+    settings.update(walk_settings(args))
     if args.inflate is not None:
         settings["inflate"] = args.inflate
     if args.independent is not None:
@@ -208,17 +202,7 @@ def main() -> None:
     ap.add_argument("--pool-steps", type=int, default=None,
                     help="each particle's independence steps over its island's proposals per "
                          "round (default: the sampler's)")
-    ap.add_argument("--gradient", action="store_true",
-                    help="the sampler's gradient moves (the walk kicked by the gradient; "
-                         "default: off)")
-    ap.add_argument("--persistence", type=float, default=None,
-                    help="the share of the walk's momentum kept from round to round "
-                         "(default: the sampler's, 0)")
-    ap.add_argument("--uniform-step", type=float, default=None,
-                    help="the step of each particle's carried acceptance uniform (default: the "
-                         "sampler's, 0: a fresh uniform each round)")
-    ap.add_argument("--rw-target", type=float, default=None,
-                    help="the walk's acceptance target (default: the sampler's)")
+    add_walk_options(ap)
     ap.add_argument("--independent", type=float, default=None,
                     help="the share of independence proposals (default: the sampler's)")
     ap.add_argument("--inflate", type=float, default=None,
