@@ -264,6 +264,39 @@ def test_pool_moves_leave_the_target_invariant(steps):
     assert abs(after.mean()) < 4 * se and abs(after.var() - 1) < 4 * np.sqrt(2) * se
 
 
+def _walk(log_p, x0, key, steps, chol, h, persistence, carried, faithful=True):
+    """``steps`` leapfrog steps of the sampler's walk (:mod:`fedppl.algorithms.smc_kernels`)
+    for particles ``x0`` at the log density ``log_p`` (one row), from standard normal momenta
+    and uniform carried values: the particles, their momenta and each step's acceptances. With
+    ``faithful=False`` the ratio leaves out the kinetic energy (a wrong walk)."""
+    from fedppl.algorithms.smc_kernels import carried_accept, kick, propose, walk_end
+
+    n, D = x0.shape
+    lp, grad = jax.vmap(log_p), jax.vmap(jax.grad(log_p))
+    k_u0, k_lift, k_steps = jax.random.split(key, 3)
+
+    def step(carry, key):
+        x, u, lift = carry
+        k_prop, k_u = jax.random.split(key)
+        there = kick(grad(x), chol, h)
+        y, kind, u = propose(k_prop, x, jnp.zeros(D), chol, h, (1.0,), 0.0, u, persistence,
+                             there)
+        u_new, kinetic = walk_end(u, there, kick(grad(y), chol, h))
+        ratio = lp(y) - lp(x) + (kinetic if faithful else 0.0)
+        if carried:
+            ok, lift = carried_accept(ratio, lift, carried)
+        else:
+            ok = jnp.log(jax.random.uniform(k_u, (n,))) < ratio
+        return ((jnp.where(ok[:, None], y, x), jnp.where(ok[:, None], u_new, -u), lift),
+                (ok, jnp.all(kind == 0)))
+
+    start = (x0, jax.random.normal(k_u0, (n, D)),
+             jax.random.uniform(k_lift, (n,), minval=-1.0, maxval=1.0))
+    (x, u, _), (ok, walks) = jax.lax.scan(step, start, jax.random.split(k_steps, steps))
+    assert bool(jnp.all(walks))  # no independence proposals: every move is the walk's
+    return np.asarray(x), np.asarray(u), np.asarray(ok)
+
+
 @pytest.mark.parametrize("persistence, carried", [(0.0, 0.0), (0.9, 0.0), (0.9, 0.1)])
 @pytest.mark.parametrize("faithful", [True, False])
 def test_the_leapfrog_walk_leaves_the_target_invariant(persistence, carried, faithful):
@@ -275,34 +308,13 @@ def test_the_leapfrog_walk_leaves_the_target_invariant(persistence, carried, fai
     fail, so the test can."""
     from jax.scipy.stats import multivariate_normal as mvn
 
-    from fedppl.algorithms.smc_kernels import carried_accept, kick, propose, walk_end
-
     m, S = jnp.asarray([1.0, -1.0]), jnp.asarray([[1.0, 0.8], [0.8, 1.0]])
-    P = jnp.linalg.inv(S)
     chol = jnp.linalg.cholesky(jnp.asarray([[2.0, 0.0], [0.0, 0.5]]))
-    h, n = 0.8, 20_000
-
-    def step(carry, key):
-        x, u, lift = carry
-        k_prop, k_u = jax.random.split(key)
-        there = kick(-(x - m) @ P, chol, h)
-        y, kind, u = propose(k_prop, x, m, chol, h, (1.0,), 0.0, u, persistence, there)
-        u_new, kinetic = walk_end(u, there, kick(-(y - m) @ P, chol, h))
-        ratio = mvn.logpdf(y, m, S) - mvn.logpdf(x, m, S) + (kinetic if faithful else 0.0)
-        if carried:
-            ok, lift = carried_accept(ratio, lift, carried)
-        else:
-            ok = jnp.log(jax.random.uniform(k_u, (n,))) < ratio
-        return ((jnp.where(ok[:, None], y, x), jnp.where(ok[:, None], u_new, -u), lift),
-                (jnp.all(kind == 0), jnp.mean(ok)))
-
+    n = 20_000
     x0 = jax.random.multivariate_normal(jax.random.key(0), m, S, (n,))
-    u0 = jax.random.normal(jax.random.key(2), (n, 2))
-    lift0 = jax.random.uniform(jax.random.key(4), (n,), minval=-1.0, maxval=1.0)
-    (x, u, _), (walks, rates) = jax.lax.scan(step, (x0, u0, lift0),
-                                             jax.random.split(jax.random.key(1), 5))
-    assert bool(jnp.all(walks)) and 0.2 < float(jnp.mean(rates)) < 0.95
-    x, u = np.asarray(x), np.asarray(u)
+    x, u, ok = _walk(lambda x: mvn.logpdf(x, m, S), x0, jax.random.key(1), 5, chol, 0.8,
+                     persistence, carried, faithful)
+    assert 0.2 < ok.mean() < 0.95
     se = 1 / np.sqrt(n / 4)  # five steps of one chain per particle: generous
     off = max(np.max(np.abs(x.mean(0) - np.asarray(m))),
               np.max(np.abs(np.cov(x.T) - np.asarray(S))) / np.sqrt(2))
@@ -320,32 +332,15 @@ def test_persistent_momentum_and_a_carried_uniform_mix_faster():
     (Langevin steps diffuse), far less with 0.97 of it kept, and less again with the uniform
     carried as well (rejections in runs turn the particles back less often): the reasons for
     ``persistence`` and ``uniform_step``. Each run stays at the target."""
-    from fedppl.algorithms.smc_kernels import carried_accept, kick, propose, walk_end
-
-    n, D, h = 4000, 10, 0.9
-    sd, chol = jnp.ones(D).at[0].set(8.0), jnp.eye(D)
+    n, D = 4000, 10
+    sd = jnp.ones(D).at[0].set(8.0)
+    x0 = sd * jax.random.normal(jax.random.key(0), (n, D))
 
     def run(persistence, carried):
-        def step(carry, key):
-            x, u, lift = carry
-            k_prop, k_u = jax.random.split(key)
-            there = kick(-x / sd**2, chol, h)
-            y, _, u = propose(k_prop, x, jnp.zeros(D), chol, h, (1.0,), 0.0, u, persistence,
-                              there)
-            u_new, kinetic = walk_end(u, there, kick(-y / sd**2, chol, h))
-            ratio = 0.5 * (jnp.sum((x / sd)**2, -1) - jnp.sum((y / sd)**2, -1)) + kinetic
-            if carried:
-                ok, lift = carried_accept(ratio, lift, carried)
-            else:
-                ok = jnp.log(jax.random.uniform(k_u, (n,))) < ratio
-            return (jnp.where(ok[:, None], y, x), jnp.where(ok[:, None], u_new, -u), lift), ok
-
-        x0 = sd * jax.random.normal(jax.random.key(0), (n, D))
-        start = (x0, jax.random.normal(jax.random.key(1), (n, D)),
-                 jax.random.uniform(jax.random.key(2), (n,), minval=-1.0, maxval=1.0))
-        (x, _, _), ok = jax.lax.scan(step, start, jax.random.split(jax.random.key(3), 30))
-        assert abs(float(jnp.std(x[:, 0])) / 8 - 1) < 0.06 and 0.6 < float(jnp.mean(ok)) < 0.95
-        return float(jnp.corrcoef(x[:, 0], x0[:, 0])[0, 1])
+        x, _, ok = _walk(lambda x: -0.5 * jnp.sum((x / sd)**2), x0, jax.random.key(3), 30,
+                         jnp.eye(D), 0.9, persistence, carried)
+        assert abs(x[:, 0].std() / 8 - 1) < 0.06 and 0.6 < ok.mean() < 0.95
+        return float(np.corrcoef(x[:, 0], np.asarray(x0[:, 0]))[0, 1])
 
     langevin, persistent, carried = run(0.0, 0.0), run(0.97, 0.0), run(0.97, 0.03)
     assert langevin > 0.8 and persistent < langevin - 0.25 and carried < persistent - 0.2, (
