@@ -9,10 +9,11 @@ the SuperLink's Fleet, Control and runtime APIs on one HTTP port. By default
 (``isolation="process"``) each SuperNode runs with ``--isolation process`` beside a warm
 ClientApp process of its own (:mod:`fedppl.runtime.flower_worker`), which imports JAX and
 fedppl and compiles the node's step once per run; ``isolation="subprocess"`` is Flower's
-default, a fresh ``flwr-clientapp`` process for every message. Either way a ClientApp's state
-lives in its Flower context (``fedppl.runtime.flower`` keeps it there), and every process
-shares one JAX persistent compilation cache (``jax_cache``, a temporary folder unless given),
-so that only the first compiles.
+default, a fresh ``flwr-clientapp`` process for every message. The SuperNodes are forks of one
+process that imported Flower once (``fork=True``, the default where the platform can fork).
+Either way a ClientApp's state lives in its Flower context (``fedppl.runtime.flower`` keeps it
+there), and every process shares one JAX persistent compilation cache (``jax_cache``, a
+temporary folder unless given), so that only the first compiles.
 
 Across real machines the same processes run with TLS instead of ``--insecure``:
 ``examples/flower/README.md`` gives the commands (certificates, a SuperLink, SuperNodes each
@@ -30,6 +31,7 @@ import contextlib
 import json
 import os
 import random
+import select
 import shutil
 import signal
 import socket
@@ -127,6 +129,45 @@ def _toml(value: Any) -> str:
     return json.dumps(str(value))
 
 
+class _Forked:
+    """A SuperNode the fork server started (it is the server's child, not ours): what
+    :class:`LocalDeployment` uses of a :class:`subprocess.Popen`, its ``pid``, ``poll`` (None
+    while it runs; its exit status is its parent's to know, so 0 once it has ended) and
+    ``wait``."""
+
+    def __init__(self, pid: int):
+        self.pid = pid
+        self.returncode: int | None = None
+
+    def poll(self) -> int | None:
+        if self.returncode is None and not _alive(self.pid):
+            self.returncode = 0
+        return self.returncode
+
+    def wait(self, timeout: float | None = None) -> int:
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while self.poll() is None:
+            if deadline is not None and time.monotonic() > deadline:
+                raise subprocess.TimeoutExpired(f"SuperNode {self.pid}", timeout or 0.0)
+            time.sleep(0.02)
+        return 0
+
+
+def _alive(pid: int) -> bool:
+    """Whether process ``pid`` runs (a zombie, ended but not yet collected, does not)."""
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except FileNotFoundError:
+        return False
+    except OSError:  # no /proc: signal 0 says whether the pid exists
+        try:
+            os.kill(pid, 0)
+        except ProcessLookupError:
+            return False
+        return True
+    return state not in ("Z", "X")
+
+
 class LocalDeployment:
     """A SuperLink and ``num_nodes`` SuperNodes on 127.0.0.1 (insecure), node ``k`` with
     ``node_config(k)`` (default ``partition-id=k num-partitions=num_nodes``); the SuperLink on
@@ -141,7 +182,10 @@ class LocalDeployment:
     at separate sites; fewer share them, node ``k`` served by worker ``k % workers``, to fit
     many nodes in one machine's memory); ``superlink``: the command that starts the SuperLink,
     before its options (default Flower's ``flower-superlink``; ``benchmarks/flower_overhead.py``
-    starts it through a wrapper that counts its requests).
+    starts it through a wrapper that counts its requests); ``fork``: the SuperNodes are forks of
+    one process that imported Flower once (:func:`fedppl.runtime.flower_supernode.serve`), not
+    processes that each import it (about 1.5 s of CPU a node, and their modules' memory shared
+    until written), where the platform can fork.
 
     Ports: the SuperLink's (unless ``port`` is given) and each SuperNode's Runtime API are
     chosen free (:func:`free_port`); a process whose port was taken by the time it bound it
@@ -154,7 +198,7 @@ class LocalDeployment:
                  port: int | None = None, isolation: str = "process",
                  jax_cache: str | os.PathLike | None = None,
                  node_poll: float | str | None = "auto", workers: int | None = None,
-                 superlink: list[str] | None = None):
+                 superlink: list[str] | None = None, fork: bool = True):
         if num_nodes < 1:
             raise ValueError(f"num_nodes must be at least 1, got {num_nodes}")
         if isolation not in ("process", "subprocess"):
@@ -171,7 +215,9 @@ class LocalDeployment:
         self.extra_env = dict(env or {})
         self.requested_port = port
         self.superlink = list(superlink) if superlink else None
-        self.procs: dict[str, subprocess.Popen] = {}
+        self.fork = bool(fork) and hasattr(os, "fork")
+        self._forking = False  # the fork server has said it is ready
+        self.procs: dict[str, Any] = {}  # subprocess.Popen, or _Forked for a forked node
         self.ports: dict[str, int] = {}  # each process's own port
         self.restarts: list[tuple[str, int]] = []  # (process, the port that was taken)
         self.home: Path | None = None
@@ -203,6 +249,42 @@ class LocalDeployment:
             self.procs[name] = subprocess.Popen(args, stdout=log, stderr=subprocess.STDOUT,
                                                 env=self._env(), start_new_session=True)
 
+    def _start_fork_server(self) -> None:
+        """The SuperNodes' fork server (:func:`fedppl.runtime.flower_supernode.serve`): Flower
+        imported once, each node a fork of it."""
+        assert self.home is not None
+        with open(self.home / "fork-server.log", "wb") as log:
+            self.procs["fork-server"] = subprocess.Popen(
+                [sys.executable, "-P", str(_SUPERNODE), "--fork-server"], stdin=subprocess.PIPE,
+                stdout=subprocess.PIPE, stderr=log, env=self._env(), start_new_session=True,
+                text=True, bufsize=1)
+
+    def _fork(self, name: str, argv: list[str]) -> None:
+        """Start a SuperNode (``argv``: :func:`fedppl.runtime.flower_supernode.main`'s) from the
+        fork server, its output in ``name``'s log."""
+        assert self.home is not None
+        server = self.procs["fork-server"]
+        assert server.stdin is not None and server.stdout is not None
+        if not self._forking:  # the server's first line: it has imported Flower
+            waited = select.select([server.stdout], [], [], self.start_timeout)[0]
+            ready = server.stdout.readline().strip() if waited else \
+                f"no answer within {self.start_timeout:g} s"
+            if ready != "ready":
+                raise DeploymentError(f"the SuperNodes' fork server did not start ("
+                                      f"{ready or 'it exited'}):\n"
+                                      f"{(self.home / 'fork-server.log').read_text()[-2000:]}")
+            self._forking = True
+        try:
+            server.stdin.write(json.dumps({"argv": argv,
+                                           "log": str(self.home / f"{name}.log")}) + "\n")
+            server.stdin.flush()
+            pid = int(server.stdout.readline())
+        except (OSError, ValueError) as err:
+            raise DeploymentError(f"the SuperNodes' fork server failed to start {name}:\n"
+                                  f"{(self.home / 'fork-server.log').read_text()[-2000:]}"
+                                  ) from err
+        self.procs[name] = _Forked(pid)
+
     def log(self, name: str) -> str:
         """The output of a process (``"superlink"``, ``"node-0"``...)."""
         assert self.home is not None
@@ -213,6 +295,8 @@ class LocalDeployment:
         self.home = Path(tempfile.mkdtemp(prefix="fedppl-flower-"))
         (self.home / "flwr").mkdir()
         try:
+            if self.fork:  # its imports overlap the SuperLink's start
+                self._start_fork_server()
             self._start_superlink()
             (self.home / "flwr" / "config.toml").write_text(
                 f'[superlink]\ndefault = "local"\n\n[superlink.local]\n'
@@ -253,13 +337,16 @@ class LocalDeployment:
         port = free_port(self.ports.values())
         self.ports[name] = port
         config = " ".join(f"{key}={_toml(v)}" for key, v in self.node_config(k).items())
+        flower = ["--insecure", "--superlink", self.address, "--port", str(port),
+                  "--node-config", config, "--isolation", self.isolation]
+        if self.fork:
+            self._fork(name, ["--poll", str(self.node_poll or 0), "--", *flower])
+            return
         # run as a file, not a module of fedppl's package, which imports JAX: half the memory
         # (0.13 GiB a SuperNode, not 0.28) and of the CPU to start (1.2 s, not 2.2)
         supernode = ([self._bin("flower-supernode")] if self.node_poll is None else
                      [sys.executable, "-P", str(_SUPERNODE), "--poll", str(self.node_poll), "--"])
-        self._start(name, [*supernode, "--insecure", "--superlink", self.address,
-                           "--port", str(port), "--node-config", config,
-                           "--isolation", self.isolation])
+        self._start(name, [*supernode, *flower])
 
     def _start_node_named(self, name: str) -> None:
         self._start_node(int(name.split("-")[1]))
@@ -325,6 +412,10 @@ class LocalDeployment:
             with contextlib.suppress(ProcessLookupError):
                 os.killpg(proc.pid, signal.SIGKILL)  # whatever is left in the group
             proc.wait(10)
+            for pipe in (getattr(proc, "stdin", None), getattr(proc, "stdout", None)):
+                if pipe is not None:  # the fork server's
+                    with contextlib.suppress(OSError):
+                        pipe.close()
         if self.home is not None and not os.environ.get("FEDPPL_KEEP_FLOWER_LOGS"):
             shutil.rmtree(self.home, ignore_errors=True)
 

@@ -25,18 +25,28 @@ GiB, against 0.28) and of the CPU to start, what ``LocalDeployment`` does.
 The node is Flower's; only its module's clock is wrapped (written against Flower 1.42, which
 ``constraints.txt`` pins). Plain ``flower-supernode`` works with fedppl too, a few seconds
 slower a round.
+
+``python -P flower_supernode.py --fork-server`` imports Flower once and then starts SuperNodes
+by forking itself, one per line it reads (:func:`serve`): a node so started costs a fork rather
+than the 1.5 s of CPU its imports take, and shares the imported modules' memory with its
+siblings until it writes to it (``LocalDeployment`` starts its nodes this way).
 """
 
 from __future__ import annotations
 
 import argparse
+import atexit
+import gc
+import json
 import os
+import signal
 import sys
 import time
-from collections.abc import Sequence
-from typing import Any
+import traceback
+from collections.abc import Iterable, Sequence
+from typing import Any, TextIO
 
-__all__ = ["BusyClock", "Rhythm", "main"]
+__all__ = ["BusyClock", "Rhythm", "main", "serve"]
 
 
 class Rhythm:
@@ -124,13 +134,25 @@ class BusyClock:
         return getattr(self.clock, name)
 
 
+def _flower() -> tuple[Any, Any]:
+    """Flower's SuperNode module and command (the imports that take a node's start)."""
+    try:
+        from flwr.supernode import start_client_internal
+        from flwr.supernode.cli.flower_supernode import flower_supernode
+    except ImportError as err:  # pragma: no cover - the extra is installed by make test
+        raise ImportError("fedppl.runtime.flower_supernode needs Flower: "
+                          "pip install 'fedppl[flower]'") from err
+    return start_client_internal, flower_supernode
+
+
 def main(argv: Sequence[str] | None = None) -> None:
     argv = list(sys.argv[1:] if argv is None else argv)
     p = argparse.ArgumentParser(prog="python -m fedppl.runtime.flower_supernode",
                                 description=__doc__.splitlines()[0],
                                 epilog="Arguments after -- go to flower-supernode.")
     p.add_argument("--poll", type=float, default=0.05,
-                   help="seconds between checks for a message while busy")
+                   help="seconds between checks for a message while busy (0: Flower's own "
+                        "SuperNode, unchanged)")
     p.add_argument("--busy", type=float, default=30.0,
                    help="seconds after the last message during which the node checks often")
     p.add_argument("--lead", type=float, default=0.8,
@@ -140,14 +162,13 @@ def main(argv: Sequence[str] | None = None) -> None:
         if "--" in argv else ([], None, argv)
     args = p.parse_args(ours)
     os.environ.setdefault("FLWR_TELEMETRY_ENABLED", "0")
-    try:
-        from flwr.supernode import start_client_internal
-        from flwr.supernode.cli.flower_supernode import flower_supernode
-    except ImportError as err:  # pragma: no cover - the extra is installed by make test
-        raise ImportError("fedppl.runtime.flower_supernode needs Flower: "
-                          "pip install 'fedppl[flower]'") from err
+    start_client_internal, flower_supernode = _flower()
+    if args.poll <= 0:  # Flower's own SuperNode, unchanged
+        sys.argv = ["flower-supernode", *theirs]
+        flower_supernode()
+        return
     clock = BusyClock(args.poll, args.busy, lead=args.lead)
-    start_client_internal.time = clock  # type: ignore[assignment]
+    start_client_internal.time = clock
     # a message's parts the SuperLink has not stored yet: asked again after --poll seconds,
     # doubling to 0.5 s or the rhythm's cap (Flower first waits 1 s, doubling to 10 s)
     pull = start_client_internal.pull_objects
@@ -161,5 +182,73 @@ def main(argv: Sequence[str] | None = None) -> None:
     flower_supernode()
 
 
+def serve(requests: Iterable[str] = sys.stdin, replies: TextIO = sys.stdout) -> None:
+    """A fork server for SuperNodes: imports Flower, writes ``ready``, then for each line of
+    ``requests`` (JSON: ``argv``, :func:`main`'s arguments, ``--poll 0`` for Flower's own
+    SuperNode; ``log``, the file its output goes to) forks a SuperNode in a session of its own
+    (its process group id is its pid) and writes its pid. It reaps its children as they end, and
+    ends when ``requests`` does; the nodes it started go on. Each node exits as its own process
+    would: its exit handlers run, then it ends with its exit status."""
+    os.environ.setdefault("FLWR_TELEMETRY_ENABLED", "0")
+    _flower()
+    gc.freeze()  # the modules' objects stay in the pages the nodes share
+    signal.signal(signal.SIGCHLD, _reap)
+    print("ready", file=replies, flush=True)
+    for line in requests:
+        if not line.strip():
+            continue
+        request = json.loads(line)
+        pid = os.fork()
+        if pid == 0:
+            _node(list(request["argv"]), str(request["log"]))
+        print(pid, file=replies, flush=True)
+
+
+def _reap(signum: int, frame: Any) -> None:
+    """Collect every child that has ended (a SIGCHLD handler)."""
+    while True:
+        try:
+            pid, _ = os.waitpid(-1, os.WNOHANG)
+        except ChildProcessError:
+            return
+        if pid == 0:
+            return
+
+
+def _node(argv: list[str], log: str) -> None:  # pragma: no cover - runs in the forked child
+    """A forked child: its own session, its output to ``log``, then the SuperNode; never
+    returns."""
+    signal.signal(signal.SIGCHLD, signal.SIG_DFL)
+    os.setsid()
+    out = os.open(log, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
+    null = os.open(os.devnull, os.O_RDONLY)
+    os.dup2(null, 0)
+    os.dup2(out, 1)
+    os.dup2(out, 2)
+    os.close(out)
+    os.close(null)
+    code: Any = 0
+    try:
+        main(argv)
+    except SystemExit as stop:
+        code = stop.code
+    except BaseException:
+        traceback.print_exc()
+        code = 1
+    if not isinstance(code, int):  # sys.exit("message") prints it and exits with 1
+        if code is not None:
+            print(code, file=sys.stderr)
+        code = 0 if code is None else 1
+    try:
+        atexit._run_exitfuncs()
+        sys.stdout.flush()
+        sys.stderr.flush()
+    finally:
+        os._exit(code)
+
+
 if __name__ == "__main__":
-    main()
+    if sys.argv[1:] == ["--fork-server"]:
+        serve()
+    else:
+        main()

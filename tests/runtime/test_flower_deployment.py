@@ -215,10 +215,12 @@ def test_ports_are_chosen_below_the_ephemeral_range():
         s.bind(("127.0.0.1", again))  # free
 
 
-def test_a_port_taken_before_its_node_binds_it_is_retried(monkeypatch):
+@pytest.mark.parametrize("fork", [True, False])
+def test_a_port_taken_before_its_node_binds_it_is_retried(monkeypatch, fork):
     """The failure seen at K = 50 (``SuperNode Runtime HTTP API failed to start``: its port
     taken between its choice and its bind), injected: the node's first port is held by a
-    listener; the node starts again on another, the deployment comes up and says so."""
+    listener; the node starts again on another, the deployment comes up and says so; whether
+    the nodes are forks of one process that imported Flower or processes of their own."""
     import socket
 
     with socket.socket() as held:
@@ -231,7 +233,8 @@ def test_a_port_taken_before_its_node_binds_it_is_retried(monkeypatch):
             return taken if len(calls) == 2 else choose(avoid)  # call 1: the SuperLink's
 
         monkeypatch.setattr(local, "free_port", first_node_port_taken)
-        with LocalDeployment(1, isolation="subprocess", node_poll=None) as fed:
+        with LocalDeployment(1, isolation="subprocess", node_poll=None, fork=fork) as fed:
+            assert ("fork-server" in fed.procs) == fork
             assert fed.restarts == [("node-0", taken)]
             assert fed.ports["node-0"] != taken
             assert "Activated node_id" in fed.log("superlink")
@@ -242,7 +245,9 @@ def test_ten_nodes_start_and_stop_five_times_in_a_row():
     """Five starts and stops of a K = 10 deployment in a row (one warm worker shared by the
     nodes, to keep the test short): every start brings all ten SuperNodes up, registered with
     the SuperLink on ports of their own, and every stop ends every process and frees every
-    port (what a start that failed one time in three, before, did not)."""
+    port (what a start that failed one time in three, before, did not). The nodes are forks of
+    one process that imported Flower (each its own process group), so a start costs one import
+    of Flower, not ten."""
     import socket
 
     for attempt in range(5):
@@ -250,6 +255,12 @@ def test_ten_nodes_start_and_stop_five_times_in_a_row():
             assert fed.log("superlink").count("Activated node_id") >= 10, attempt
             assert len(set(fed.ports.values())) == 11, fed.ports  # the SuperLink's and 10 nodes'
             ports = dict(fed.ports)
+            if attempt == 0 and Path("/proc").is_dir():  # each node: a child of the fork server
+                server = fed.procs["fork-server"].pid
+                for k in range(10):
+                    pid = fed.procs[f"node-{k}"].pid
+                    stat = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+                    assert (int(stat[1]), int(stat[2])) == (server, pid), (k, stat[:3])
         assert all(p.poll() is not None for p in fed.procs.values()), attempt
         for name, port in ports.items():
             with socket.socket() as s:
