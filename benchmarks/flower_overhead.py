@@ -15,8 +15,10 @@ Engine runs in three forms:
   3 s idle poll);
 * ``deployment-subprocess``: Flower's default, a fresh ClientApp process for every message.
 
-Memory per SuperNode is the resident memory of its processes (the SuperNode's and, with warm
-workers, its share of theirs) after the run. Writes ``benchmarks/results/flower_overhead.json``.
+Memory per SuperNode is the proportional set size (PSS: each page shared by n processes counted
+1/n to each, so that the sizes add up; resident memory where the kernel does not say) of its
+processes after the run: the SuperNode's, its share of the fork server all nodes are forked
+from, and with warm workers its share of theirs. Writes ``benchmarks/results/flower_overhead.json``.
 
 ``--profile`` (``deployment`` only; needs ``py-spy``) samples the SuperLink's process group
 (the SuperLink, Flower's SuperExec and the ServerApp), SuperNode 0 and worker 0 through the
@@ -55,8 +57,12 @@ BENCHMARK = {
                 "runtime against Flower's Simulation and Deployment Engines, K = 10 and 50"),
     "data": None,
     "quick": ["--clients", "10", "--rounds", "3", "--engines", "embedded", "simulation"],
-    "full": [[]],
-    "cost": "quick ~2 min; full ~15 min (needs several GiB for the SuperNodes)",
+    "full": [[],
+             ["--engines", "deployment", "--clients", "10", "--rounds", "6", "--repeats", "3",
+              "--out", "benchmarks/results/flower_overhead_forked_nodes.json"],
+             ["--engines", "deployment", "--clients", "100", "--workers", "5", "--rounds", "3",
+              "--out", "benchmarks/results/flower_overhead_forked_nodes.json"]],
+    "cost": "quick ~2 min; full ~35 min (needs several GiB for the SuperNodes)",
 }
 
 jax.config.update("jax_enable_x64", True)
@@ -99,9 +105,21 @@ def _row(engine: str, K: int, history: dict, wall: float, schedule: str) -> dict
             "bytes_down_per_round": float(np.median(down)), "wall_seconds": wall}
 
 
+def _pss_gib(pid: int) -> float | None:
+    """A process's proportional set size (GiB), or None where the kernel does not give it."""
+    try:
+        with open(f"/proc/{pid}/smaps_rollup") as f:
+            for line in f:
+                if line.startswith("Pss:"):
+                    return int(line.split()[1]) / 2**20
+    except (OSError, ValueError, IndexError):
+        pass
+    return None
+
+
 def _usage(fed) -> dict[str, tuple[float, float]]:
-    """Resident memory (GiB) and CPU seconds of each of a local deployment's process groups, by
-    name."""
+    """Memory (GiB: proportional set size, or resident where that is not given) and CPU seconds
+    of each of a local deployment's process groups, by name."""
     groups = {p.pid: name for name, p in fed.procs.items()}
     out = dict.fromkeys(groups.values(), (0.0, 0.0))
     for stat in Path("/proc").glob("[0-9]*/stat"):
@@ -113,7 +131,9 @@ def _usage(fed) -> dict[str, tuple[float, float]]:
             continue
         if pgid in groups:
             gib, seconds = out[groups[pgid]]
-            out[groups[pgid]] = (gib + rss_pages * os.sysconf("SC_PAGE_SIZE") / 2**30,
+            pss = _pss_gib(int(stat.parent.name))
+            out[groups[pgid]] = (gib + (rss_pages * os.sysconf("SC_PAGE_SIZE") / 2**30
+                                        if pss is None else pss),
                                  seconds + cpu / os.sysconf("SC_CLK_TCK"))
     return out
 
@@ -223,7 +243,7 @@ def _deploy(engine: str, K: int, rounds: int, workers: int | None, cache: str,
             rss = {n: gib for n, (gib, _) in _usage(fed).items()}
     row = _row(engine, K, history, time.perf_counter() - t0, schedule)
     row["max_abs_difference_to_embedded"] = _difference(state, K, rounds, schedule)
-    nodes = sum(v for n, v in rss.items() if n.startswith(("node-", "worker-")))
+    nodes = sum(v for n, v in rss.items() if n.startswith(("node-", "worker-", "fork-server")))
 
     def cpu(used: dict, prefix: str, per: float = rounds) -> float:  # CPU seconds a round
         return sum(v for n, v in used.items() if n.startswith(prefix)) / per
