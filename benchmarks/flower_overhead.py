@@ -105,37 +105,11 @@ def _row(engine: str, K: int, history: dict, wall: float, schedule: str) -> dict
             "bytes_down_per_round": float(np.median(down)), "wall_seconds": wall}
 
 
-def _pss_gib(pid: int) -> float | None:
-    """A process's proportional set size (GiB), or None where the kernel does not give it."""
-    try:
-        with open(f"/proc/{pid}/smaps_rollup") as f:
-            for line in f:
-                if line.startswith("Pss:"):
-                    return int(line.split()[1]) / 2**20
-    except (OSError, ValueError, IndexError):
-        pass
-    return None
-
-
 def _usage(fed) -> dict[str, tuple[float, float]]:
-    """Memory (GiB: proportional set size, or resident where that is not given) and CPU seconds
-    of each of a local deployment's process groups, by name."""
-    groups = {p.pid: name for name, p in fed.procs.items()}
-    out = dict.fromkeys(groups.values(), (0.0, 0.0))
-    for stat in Path("/proc").glob("[0-9]*/stat"):
-        try:
-            fields = stat.read_text().rsplit(")", 1)[1].split()
-            pgid, cpu, rss_pages = int(fields[2]), int(fields[11]) + int(fields[12]), \
-                int(fields[21])
-        except (OSError, ValueError, IndexError):
-            continue
-        if pgid in groups:
-            gib, seconds = out[groups[pgid]]
-            pss = _pss_gib(int(stat.parent.name))
-            out[groups[pgid]] = (gib + (rss_pages * os.sysconf("SC_PAGE_SIZE") / 2**30
-                                        if pss is None else pss),
-                                 seconds + cpu / os.sysconf("SC_CLK_TCK"))
-    return out
+    """Memory (GiB) and CPU seconds of each of a local deployment's process groups, by name."""
+    from _proc import group_usage  # benchmarks/ is on the path of the script, not of its nodes
+
+    return group_usage(fed.procs)
 
 
 # where a sample's innermost recognised frame is: (layer, substrings of its file's path)

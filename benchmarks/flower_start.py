@@ -23,6 +23,7 @@ import time
 from pathlib import Path
 
 import numpy as np
+from _proc import group_usage
 from _provenance import stamp
 
 from fedppl.runtime.deployment import LocalDeployment
@@ -39,31 +40,11 @@ BENCHMARK = {
 OUT = Path(__file__).resolve().parent / "results" / "flower_start.json"
 
 
-def _groups(fed: LocalDeployment) -> dict[str, tuple[float, float]]:
-    """CPU seconds and memory (GiB, proportional set size) of each process group, by name."""
-    groups = {p.pid: name for name, p in fed.procs.items()}
-    out = dict.fromkeys(groups.values(), (0.0, 0.0))
-    tick = os.sysconf("SC_CLK_TCK")
-    for stat in Path("/proc").glob("[0-9]*/stat"):
-        try:
-            fields = stat.read_text().rsplit(")", 1)[1].split()
-            pgid, cpu = int(fields[2]), (int(fields[11]) + int(fields[12])) / tick
-            pss = next(int(line.split()[1]) / 2**20
-                       for line in (stat.parent / "smaps_rollup").read_text().splitlines()
-                       if line.startswith("Pss:"))
-        except (OSError, ValueError, IndexError, StopIteration):
-            continue
-        if pgid in groups:
-            c, m = out[groups[pgid]]
-            out[groups[pgid]] = (c + cpu, m + pss)
-    return out
-
-
 def once(K: int, workers: int, fork: bool) -> dict[str, float]:
     t0 = time.perf_counter()
     with LocalDeployment(K, workers=workers, fork=fork, start_timeout=600) as fed:
         started = time.perf_counter() - t0
-        used = _groups(fed)
+        used = {n: (cpu, gib) for n, (gib, cpu) in group_usage(fed.procs).items()}
         t1 = time.perf_counter()
     stopped = time.perf_counter() - t1
 
