@@ -21,10 +21,14 @@ _FLOATS = (
 
 
 def add_walk_options(ap: argparse.ArgumentParser) -> None:
-    """``--gradient``, ``--persistence``, ``--uniform-step`` and ``--rw-target``."""
+    """``--gradient``, ``--crank-nicolson``, ``--persistence``, ``--uniform-step`` and
+    ``--rw-target``."""
     ap.add_argument("--gradient", action="store_true",
                     help="the sampler's gradient moves (the walk kicked by the gradient; "
                          "default: off)")
+    ap.add_argument("--crank-nicolson", action="store_true",
+                    help="the walk as Crank-Nicolson steps around the particles' Gaussian fit "
+                         "(default: off)")
     for flag, name, text in _FLOATS:
         ap.add_argument(flag, dest=name, type=float, default=None, help=text)
 
@@ -38,6 +42,8 @@ def walk_settings(args: argparse.Namespace) -> dict:
     {'gradient': True, 'persistence': 0.9}
     """
     out: dict = {"gradient": True} if args.gradient else {}
+    if getattr(args, "crank_nicolson", False):
+        out["crank_nicolson"] = True
     out.update({name: getattr(args, name) for _, name, _ in _FLOATS
                 if getattr(args, name) is not None})
     return out

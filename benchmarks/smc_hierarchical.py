@@ -81,6 +81,8 @@ BENCHMARK = {
              ["--past-done", "--gradient", "--persistence", "0.97", "--uniform-step", "0.05",
               "--rw-target", "0.8", "--out",
               "benchmarks/results/smc_hierarchical_persistence097_rw08.json"],
+             ["--past-done", "--crank-nicolson", "--out",
+              "benchmarks/results/smc_hierarchical_crank_nicolson.json"],
              ["--past-done", "--starts", "ep", "--out",
               "benchmarks/results/smc_hierarchical_ep.json"],
              ["--past-done", "--independent", "0.1", "--out",

@@ -53,6 +53,10 @@ there are local sites the gradient of the Laplace approximation of their margina
 particle (and its Laplace fit) alone and the refreshes of the auxiliary draws leave the step's
 ratio exact (a leapfrog step with any force that depends on the position alone keeps volume
 and is reversed by flipping the momentum).
+With ``crank_nicolson`` the walk is instead a preconditioned Crank-Nicolson step around the
+particles' Gaussian fit (Cotter, Roberts, Stuart and White, 2013): it leaves that Gaussian
+invariant, so its ratio is the target's over the Gaussian's, and its step can stay long where
+the target is near the fit.
 
 ``islands``: the particles are split into equal islands that are resampled separately (the
 temperature and the proposals are shared), so the spread of the islands' means gives an honest
@@ -74,6 +78,7 @@ from jax import Array
 from fedppl.algorithms.importance import laplace_estimate, laplace_fit, laplace_gradient
 from fedppl.algorithms.smc_kernels import (
     carried_accept,
+    crank_nicolson_ratio,
     fit,
     island_ess,
     kick,
@@ -113,7 +118,9 @@ class Settings(NamedTuple):
     the next: 0, a fresh momentum each round; near 1, particles keep going the way they went:
     :func:`propose`), ``uniform_step`` (each particle carries the uniform of its acceptance
     decisions and moves it by this much a round, so that rejections come in runs:
-    :func:`carried_accept`; 0: a fresh uniform each round)."""
+    :func:`carried_accept`; 0: a fresh uniform each round), ``crank_nicolson`` (the walk is a
+    preconditioned Crank-Nicolson step around the particles' Gaussian fit instead of a
+    leapfrog step: :func:`propose`; no gradient, no persistence)."""
 
     num_particles: int = 1000
     islands: int = 10
@@ -130,6 +137,7 @@ class Settings(NamedTuple):
     gradient: bool = False
     persistence: float = 0.0
     uniform_step: float = 0.0
+    crank_nicolson: bool = False
 
 
 class Broadcast(NamedTuple):
@@ -429,6 +437,9 @@ def make_trio(log_lik: Callable, log_prior: Callable, local_dim: int, settings: 
                 kick(target_grad(state.reference, x, s, state.beta), state.chol, state.rw_scale)
                 for x, s in ((state.theta, score), (state.proposal, score_new))])
         momentum_new, walk_ratio = walk_end(state.momentum, *kicks)
+        if settings.crank_nicolson:
+            walk_ratio = crank_nicolson_ratio(state.theta, state.proposal, state.centre,
+                                              state.chol)
         log_ratio = target_new - target + jnp.where(fresh, lg - lg_new, walk_ratio)
         k_acc, k_pool = jax.random.split(k_acc)
         log_ratio = jnp.nan_to_num(log_ratio, nan=-jnp.inf)
@@ -463,6 +474,8 @@ def make_trio(log_lik: Callable, log_prior: Callable, local_dim: int, settings: 
         rw_scale = jnp.where(ok & jnp.any(walk),
                              state.rw_scale * jnp.exp(rate_walk - settings.rw_target),
                              state.rw_scale)
+        if settings.crank_nicolson:  # its step is at most 1 (an independence draw)
+            rw_scale = jnp.minimum(rw_scale, 1.0)
         # the next temperature, once enough particles moved at this one
         temper = ok & (state.beta < 1) & (state.start | (jnp.mean(moved) >= settings.renew))
         beta = jnp.where(temper, next_temperature(state.beta, log_lik, settings.islands,
@@ -480,7 +493,8 @@ def make_trio(log_lik: Callable, log_prior: Callable, local_dim: int, settings: 
         # the momenta follow their particles; a resampled cloud starts afresh
         proposal, kind, momentum = propose(
             k_prop, theta, centre, chol, rw_scale, settings.scales, settings.independent,
-            momentum[ancestors], jnp.where(temper, 0.0, settings.persistence), first)
+            momentum[ancestors], jnp.where(temper, 0.0, settings.persistence), first,
+            settings.crank_nicolson)
         lift = lift[ancestors]
         at_one = (state.beta >= 1) & ok
         own = jnp.concatenate([msgs.current, msgs.proposed], 1)[:, source[ancestors]]

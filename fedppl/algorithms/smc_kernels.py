@@ -5,8 +5,9 @@ trio): pure, jit-able functions of the particles and the sums of the clients' nu
   ``smc.solver.dichotomy``) and :func:`resample` (blackjax's systematic resampling, within each
   island);
 * proposals: :func:`fit` (the particles' mean and covariance factor), :func:`propose` (a walk:
-  one leapfrog step with a partly refreshed momentum, or a scale mixture of Gaussians fitted
-  to the particles), the walk's gradient :func:`kick` and its end :func:`walk_end`, the
+  one leapfrog step with a partly refreshed momentum or a Crank-Nicolson step around the fit,
+  or a scale mixture of Gaussians fitted to the particles), the walk's gradient :func:`kick`,
+  its end :func:`walk_end` and the Crank-Nicolson step's ratio :func:`crank_nicolson_ratio`, the
   mixture's density :func:`log_independent`, and the pooled independence steps
   :func:`pool_moves`.
 
@@ -32,7 +33,7 @@ from jax import Array
 from jax.scipy.special import logsumexp
 
 __all__ = ["island_ess", "scaled", "next_temperature", "resample", "fit", "propose", "kick",
-           "walk_end", "carried_accept", "log_independent", "pool_moves"]
+           "walk_end", "crank_nicolson_ratio", "carried_accept", "log_independent", "pool_moves"]
 
 
 def island_ess(log_weights: Array, islands: int) -> Array:
@@ -85,8 +86,8 @@ def fit(theta: Array) -> tuple[Array, Array]:
 
 def propose(key: Array, theta: Array, centre: Array, chol: Array, rw_scale: Array,
             scales: tuple[float, ...], independent: float, momentum: Array,
-            persistence: Array | float = 0.0, kick_from: Array | None = None
-            ) -> tuple[Array, Array, Array]:
+            persistence: Array | float = 0.0, kick_from: Array | None = None,
+            crank_nicolson: bool = False) -> tuple[Array, Array, Array]:
     """Proposals ``(N, D)``, their kinds ``(N,)`` and the walk's momenta ``(N, D)``.
 
     With probability ``independent`` an independence draw (kind ``j + 1``: component ``j`` of
@@ -96,7 +97,12 @@ def propose(key: Array, theta: Array, centre: Array, chol: Array, rw_scale: Arra
     and one leapfrog step from ``theta`` in the coordinates that ``chol`` whitens, of length
     ``h = rw_scale``: ``theta + h chol (u + kick_from)`` for the half step's kick
     (:func:`kick`; none: a plain random walk). The refreshed ``u`` is returned for every
-    particle (:func:`walk_end` completes the step and gives its ratio)."""
+    particle (:func:`walk_end` completes the step and gives its ratio). With
+    ``crank_nicolson`` the walk is instead a preconditioned Crank-Nicolson step around the fit,
+    ``centre + r (theta - centre) + s chol xi`` with ``s = min(rw_scale, 1)`` and
+    ``r = sqrt(1 - s^2)``: reversible for ``N(centre, chol chol')``, so its ratio
+    (:func:`crank_nicolson_ratio`) is the target's over that Gaussian's, and where the target is
+    near Gaussian a long step is still accepted (``s = 1``: an independence draw)."""
     k_kind, k_comp, k_eps = jax.random.split(key, 3)
     N = theta.shape[0]
     xi = jax.random.normal(k_eps, theta.shape, theta.dtype)
@@ -104,7 +110,11 @@ def propose(key: Array, theta: Array, centre: Array, chol: Array, rw_scale: Arra
     jumps = jax.random.uniform(k_kind, (N,)) < independent
     a = jnp.asarray(persistence, theta.dtype)
     u = a * momentum + jnp.sqrt(1 - a**2) * xi
-    walk = theta + rw_scale * ((u + (0.0 if kick_from is None else kick_from)) @ chol.T)
+    if crank_nicolson:
+        s = jnp.minimum(rw_scale, 1.0)
+        walk = centre + jnp.sqrt(1 - s**2) * (theta - centre) + s * (xi @ chol.T)
+    else:
+        walk = theta + rw_scale * ((u + (0.0 if kick_from is None else kick_from)) @ chol.T)
     jump = centre + jnp.sqrt(jnp.asarray(scales, theta.dtype)[comp])[:, None] * (xi @ chol.T)
     return (jnp.where(jumps[:, None], jump, walk),
             jnp.where(jumps, comp + 1, 0).astype(jnp.int32), u)
@@ -134,6 +144,23 @@ def walk_end(momentum: Array, kick_from: Array, kick_to: Array) -> tuple[Array, 
     going the way it went."""
     u_new = momentum + kick_from + kick_to
     return u_new, 0.5 * (jnp.sum(momentum**2, -1) - jnp.sum(u_new**2, -1))
+
+
+def crank_nicolson_ratio(theta: Array, proposal: Array, centre: Array, chol: Array) -> Array:
+    """The log of a Crank-Nicolson step's Metropolis-Hastings factor beside the target's ratio:
+    ``log N(theta) - log N(proposal)`` for the Gaussian ``N(centre, chol chol')`` the step is
+    reversible for, ``(|w'|^2 - |w|^2) / 2`` in the coordinates ``chol`` whitens.
+
+    >>> import jax.numpy as jnp
+    >>> crank_nicolson_ratio(jnp.asarray([[1.0, 0.0]]), jnp.asarray([[0.0, 4.0]]),
+    ...                      jnp.zeros(2), 2 * jnp.eye(2)).tolist()
+    [1.875]
+    """
+    def r2(x):
+        w = jax.scipy.linalg.solve_triangular(chol, (x - centre).T, lower=True)
+        return jnp.sum(w**2, 0)
+
+    return 0.5 * (r2(proposal) - r2(theta))
 
 
 def carried_accept(log_ratio: Array, lift: Array, step: float) -> tuple[Array, Array]:

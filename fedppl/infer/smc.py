@@ -225,6 +225,11 @@ class SMC(FederatedMethod):
         moves it by this much a round (Neal, 2020), in ``[0, 1)``; 0, the default: a fresh
         uniform each round. With a small step rejections come in runs, so a persistent walk
         turns back less often.
+    :param crank_nicolson: the walk is a preconditioned Crank-Nicolson step around the particles'
+        Gaussian fit, ``centre + r (theta - centre) + s L xi`` with ``r = sqrt(1 - s^2)`` and
+        ``s`` tuned to ``rw_target`` (at most 1: an independence draw), instead of a random
+        walk: its ratio is the target's over the fit's, so its steps stay long where the
+        target is near Gaussian. Not with ``gradient`` or ``persistence``.
     :param inflate: the start's covariance is multiplied by this (default 2: a Gaussian
         answer is usually too narrow, and a start wider than the target is safer, since the
         reweighting narrows a cloud and only the moves widen it).
@@ -243,7 +248,8 @@ class SMC(FederatedMethod):
                  final_renew: float = 0.9, final_moves: int = 3, independent: float = 0.5,
                  scales: tuple[float, ...] = (1.0, 2.0, 4.0), rw_target: float = 0.3,
                  pool_steps: int = 0, gradient: bool = False, persistence: float = 0.0,
-                 uniform_step: float = 0.0, inflate: float = 2.0, batch_size: int = 256):
+                 uniform_step: float = 0.0, crank_nicolson: bool = False, inflate: float = 2.0,
+                 batch_size: int = 256):
         if not isinstance(guide, PVIGuide):
             raise TypeError(f"guide must be the fedppl.PVIGuide the start was fitted with, got "
                             f"{type(guide).__name__}")
@@ -273,6 +279,9 @@ class SMC(FederatedMethod):
         for name, value in (("persistence", persistence), ("uniform_step", uniform_step)):
             if not 0 <= value < 1:
                 raise ValueError(f"{name} must be in [0, 1), got {value}")
+        if crank_nicolson and (gradient or persistence):
+            raise ValueError("crank_nicolson is a walk of its own: it takes neither gradient nor "
+                             f"persistence (got gradient={gradient}, persistence={persistence})")
         scales = tuple(float(c) for c in scales)
         if not scales or not all(c > 0 and np.isfinite(c) for c in scales):
             raise ValueError(f"scales must be positive numbers, got {scales}")
@@ -286,7 +295,7 @@ class SMC(FederatedMethod):
             float(renew), float(independent), scales, float(rw_target),
             validation.positive_int(batch_size, "batch_size"),
             validation.positive_int(pool_steps, "pool_steps", minimum=0), bool(gradient),
-            float(persistence), float(uniform_step))
+            float(persistence), float(uniform_step), bool(crank_nicolson))
         self.final_renew = float(final_renew)
         self.final_moves = validation.positive_int(final_moves, "final_moves")
         self.inflate = float(inflate)

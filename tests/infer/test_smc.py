@@ -325,6 +325,40 @@ def test_the_leapfrog_walk_leaves_the_target_invariant(persistence, carried, fai
         assert np.max(np.abs(c[2:, :2])) < 4 * se
 
 
+@pytest.mark.parametrize("faithful", [True, False])
+def test_the_crank_nicolson_walk_leaves_the_target_invariant(faithful):
+    """Particles distributed as a correlated 2-d Gaussian stay so after five Crank-Nicolson
+    steps around a Gaussian that is not the target's (another centre and covariance), with
+    its ratio (:func:`crank_nicolson_ratio`); a ratio without the fit's term would not: that
+    one is checked to fail, so the test can."""
+    from jax.scipy.stats import multivariate_normal as mvn
+
+    from fedppl.algorithms.smc_kernels import crank_nicolson_ratio, propose
+
+    m, S = jnp.asarray([1.0, -1.0]), jnp.asarray([[1.0, 0.8], [0.8, 1.0]])
+    centre, chol = jnp.asarray([0.5, 0.0]), jnp.linalg.cholesky(jnp.asarray([[2.0, 0.0],
+                                                                             [0.0, 0.5]]))
+    n = 20_000
+    x = jax.random.multivariate_normal(jax.random.key(0), m, S, (n,))
+    u, oks = jnp.zeros_like(x), []
+    for key in jax.random.split(jax.random.key(1), 5):
+        k_prop, k_u = jax.random.split(key)
+        y, kind, _ = propose(k_prop, x, centre, chol, jnp.asarray(0.8), (1.0,), 0.0, u,
+                             crank_nicolson=True)
+        ratio = mvn.logpdf(y, m, S) - mvn.logpdf(x, m, S)
+        if faithful:
+            ratio = ratio + crank_nicolson_ratio(x, y, centre, chol)
+        ok = jnp.log(jax.random.uniform(k_u, (n,))) < ratio
+        x, _ = jnp.where(ok[:, None], y, x), oks.append(float(ok.mean()))
+        assert bool(jnp.all(kind == 0))
+    assert 0.2 < np.mean(oks) < 0.95
+    x = np.asarray(x)
+    se = 1 / np.sqrt(n / 4)
+    off = max(np.max(np.abs(x.mean(0) - np.asarray(m))),
+              np.max(np.abs(np.cov(x.T) - np.asarray(S))) / np.sqrt(2))
+    assert (off < 4 * se) == faithful, off
+
+
 def test_persistent_momentum_and_a_carried_uniform_mix_faster():
     """On a target with one direction eight times wider than the preconditioner says (10-d,
     at the target from the start), 30 leapfrog steps of the same length leave the wide
@@ -368,6 +402,22 @@ def test_gradient_moves_reach_the_closed_form(linear, persistence, uniform_step)
     assert np.all(out.history["bytes_up"] == K * ((2 + D) * N * 8 + 2 * 8))
 
 
+def test_crank_nicolson_walk_reaches_the_closed_form(linear):
+    """``crank_nicolson=True``: from the off start, the closed form within the stated Monte
+    Carlo error; on a Gaussian target the fit is near the target, so the step grows long and
+    more is accepted at temperature 1 than the random walk's target."""
+    res, clients, mean, cov = linear
+    sd = np.sqrt(np.diag(cov))
+    off = g.FullGaussian.from_moments(mean + sd, cov / 4)
+    out = fedppl.SMC(linear_model, res.guide, off, num_particles=N, islands=ISLANDS,
+                     crank_nicolson=True, independent=0.0).run(
+        jax.random.key(1), clients, 15, stop=False, progress_bar=False, warn=False)
+    assert out.reached
+    at_one = out.history["beta"] >= 1
+    assert np.mean(out.history["accepted"][at_one][-5:]) > 0.5
+    _within_mc_error(out, mean, sd)
+
+
 def test_gradient_moves_with_local_sites(intercepts):
     """``gradient=True`` with local sites (the clients' gradients of their Laplace
     approximations): the quadrature's moments within the stated Monte Carlo error, as
@@ -389,6 +439,8 @@ def test_bad_input_is_refused_before_anything_runs(linear, intercepts):
         fedppl.SMC(linear_model, res.guide, res.q, persistence=1.0)
     with pytest.raises(ValueError, match="uniform_step must be in"):
         fedppl.SMC(linear_model, res.guide, res.q, uniform_step=-0.1)
+    with pytest.raises(ValueError, match="crank_nicolson is a walk of its own"):
+        fedppl.SMC(linear_model, res.guide, res.q, crank_nicolson=True, gradient=True)
     with pytest.raises(ValueError, match="islands"):
         fedppl.SMC(linear_model, res.guide, res.q, num_particles=200, islands=20)
     with pytest.raises(ValueError, match="local_draws must be even"):
