@@ -60,9 +60,11 @@ BENCHMARK = {
     "full": [[],
              ["--engines", "deployment", "--clients", "10", "--rounds", "6", "--repeats", "3",
               "--out", "benchmarks/results/flower_overhead_forked_nodes.json"],
+             ["--engines", "deployment", "--clients", "50", "--workers", "5", "--rounds", "6",
+              "--repeats", "3", "--out", "benchmarks/results/flower_overhead_forked_nodes.json"],
              ["--engines", "deployment", "--clients", "100", "--workers", "5", "--rounds", "3",
               "--out", "benchmarks/results/flower_overhead_forked_nodes.json"]],
-    "cost": "quick ~2 min; full ~35 min (needs several GiB for the SuperNodes)",
+    "cost": "quick ~2 min; full ~60 min (needs several GiB for the SuperNodes)",
 }
 
 jax.config.update("jax_enable_x64", True)
