@@ -166,11 +166,14 @@ def test_pooled_steps_reach_the_closed_form_in_fewer_rounds(linear):
     _within_mc_error(runs[1], mean, sd)
 
 
-@pytest.mark.parametrize("gradient, persistence", [(False, 0.0), (True, 0.0), (True, 0.9)])
-def test_float32_without_local_sites(gradient, persistence):
+@pytest.mark.parametrize("gradient, persistence, crank_nicolson",
+                         [(False, 0.0, False), (True, 0.0, False), (True, 0.9, False),
+                          (False, 0.0, True)])
+def test_float32_without_local_sites(gradient, persistence, crank_nicolson):
     """float32 (x64 off) through the sampler: the closed form within the stated Monte Carlo
-    error and 0.05 sd, with the default walk, Langevin steps, or a persistent walk with its
-    acceptance uniform carried (the server's momenta and uniforms in float32)."""
+    error and 0.05 sd, with the default walk, Langevin steps, a persistent walk with its
+    acceptance uniform carried (the server's momenta and uniforms in float32), or
+    Crank-Nicolson steps around the fit."""
     with jax.enable_x64(False):
         rng = np.random.default_rng(0)
         X = rng.normal(size=(150, 3)).astype(np.float32)
@@ -184,7 +187,8 @@ def test_float32_without_local_sites(gradient, persistence):
                                             (cov / 4).astype(np.float32))
         out = fedppl.SMC(linear_model, res.guide, start, num_particles=N, islands=ISLANDS,
                          gradient=gradient, persistence=persistence,
-                         uniform_step=0.05 if persistence else 0.0
+                         uniform_step=0.05 if persistence else 0.0,
+                         crank_nicolson=crank_nicolson
                          ).run(jax.random.key(1), clients, progress_bar=False)
         assert out.particles.dtype == np.float32 and out.reached
         _within_mc_error(out, mean, sd, slack=0.05)
