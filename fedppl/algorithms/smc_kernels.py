@@ -156,11 +156,13 @@ def crank_nicolson_ratio(theta: Array, proposal: Array, centre: Array, chol: Arr
     ...                      jnp.zeros(2), 2 * jnp.eye(2)).tolist()
     [1.875]
     """
-    def r2(x):
-        w = jax.scipy.linalg.solve_triangular(chol, (x - centre).T, lower=True)
-        return jnp.sum(w**2, 0)
+    return 0.5 * (_whitened_r2(proposal, centre, chol) - _whitened_r2(theta, centre, chol))
 
-    return 0.5 * (r2(proposal) - r2(theta))
+
+def _whitened_r2(x: Array, centre: Array, chol: Array) -> Array:
+    """``|chol^-1 (x - centre)|^2`` for each row of ``x``."""
+    u = jax.scipy.linalg.solve_triangular(chol, (x - centre).T, lower=True)
+    return jnp.sum(u**2, 0)
 
 
 def carried_accept(log_ratio: Array, lift: Array, step: float) -> tuple[Array, Array]:
@@ -188,8 +190,7 @@ def log_independent(x: Array, centre: Array, chol: Array, scales: tuple[float, .
     """Log density at each row of ``x`` of the independence proposals' scale mixture (equal
     weights on ``N(centre, c chol chol')`` for each ``c`` in ``scales``)."""
     D = x.shape[1]
-    u = jax.scipy.linalg.solve_triangular(chol, (x - centre).T, lower=True).T
-    r2 = jnp.sum(u**2, -1)
+    r2 = _whitened_r2(x, centre, chol)
     base = -jnp.sum(jnp.log(jnp.diagonal(chol))) - 0.5 * D * jnp.log(2 * jnp.pi)
     parts = [base - 0.5 * r2 / c - 0.5 * D * jnp.log(c) for c in scales]
     return logsumexp(jnp.stack(parts), axis=0) - jnp.log(len(scales))
