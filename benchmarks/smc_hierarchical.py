@@ -9,9 +9,12 @@ pooled NUTS on all the data (4 chains, ``--ref-samples`` draws each after ``--re
 Starts (``--starts``): ``pvi`` (``fedppl.PVI`` with a full-rank guide and its defaults,
 ``--pvi-rounds`` rounds: its ``q`` and the clients' private guides), ``ep`` (``fedppl.EP`` with
 its defaults, ``--ep-rounds`` rounds), ``prior`` (the prior's Gaussian in the unconstrained
-space). From each, ``result.refine(key, clients)`` with the sampler's defaults (``fedppl.SMC``:
-1000 particles in 10 islands, 64 local draws...) and ``--rounds`` rounds at most, driven round by
-round here so that every round's errors are recorded:
+space), ``nuts`` (a diagnostic, not a federated start: the Gaussian of pooled NUTS's draws,
+with PVI's private guides where ``--load-starts`` has them), ``draws`` (a diagnostic: the
+particles are a second pooled NUTS run's draws, at temperature 1 from the first round). From each,
+``result.refine(key, clients)`` with the sampler's defaults (``fedppl.SMC``: 1000 particles in
+10 islands, 64 local draws...) and ``--rounds`` rounds at most, driven round by round here
+so that every round's errors are recorded:
 
 * ``mean_err``: the worst ``|mean - mean_ref| / sd_ref`` over the 42 coordinates (the
   issue's target: 0.1); ``sd_err``: the worst ``|sd / sd_ref - 1|`` (target: 0.1);
@@ -63,6 +66,8 @@ from _provenance import stamp
 from _walk_options import add_walk_options, walk_settings
 from ep_vs_pvi import errors
 
+from fedppl.algorithms.smc_kernels import fit
+
 BENCHMARK = {
     "summary": ("the federated SMC sampler on ep_hierarchical's logistic regression against "
                 "pooled NUTS, round by round, from PVI, EP or the prior"),
@@ -86,7 +91,15 @@ BENCHMARK = {
              ["--past-done", "--starts", "ep", "--out",
               "benchmarks/results/smc_hierarchical_ep.json"],
              ["--past-done", "--independent", "0.1", "--out",
-              "benchmarks/results/smc_hierarchical_independent01.json"]],
+              "benchmarks/results/smc_hierarchical_independent01.json"],
+             ["--past-done", "--particles", "2000", "--rounds", "40", "--out",
+              "benchmarks/results/smc_hierarchical_particles2000.json"],
+             ["--past-done", "--starts", "nuts", "--rounds", "30", "--out",
+              "benchmarks/results/smc_hierarchical_nuts_start.json"],
+             ["--past-done", "--starts", "nuts", "--rounds", "30", "--particles", "2000",
+              "--out", "benchmarks/results/smc_hierarchical_nuts_start_particles2000.json"],
+             ["--past-done", "--starts", "draws", "--rounds", "20", "--out",
+              "benchmarks/results/smc_hierarchical_nuts_draws.json"]],
     "cost": "quick ~3 min; full ~25-45 min per file (from EP ~55 min: EP takes 24)",
 }
 
@@ -102,9 +115,22 @@ def _carrying(clients, seed: int, q, local):
     return res
 
 
-def start_result(name: str, clients, seed: int, args):
+def start_result(name: str, clients, seed: int, args, ref=None):
     """The federated answer the sampler starts from, and the seconds it took (from
-    ``--load-starts`` when a saved one is there)."""
+    ``--load-starts`` when a saved one is there). ``nuts`` is a diagnostic, not a federated
+    start: the Gaussian of pooled NUTS's own draws ``ref`` (with PVI's local guides where a
+    saved PVI start is loaded), so that what the sampler does at the target is seen apart from
+    how far it must travel. ``draws`` goes further: ``ref`` is then a second, independent pooled
+    NUTS run, and :func:`sample` puts the particles at its draws at temperature 1 from the first
+    round (no tempering), so that only the moves act."""
+    if name in ("nuts", "draws"):
+        q = fedppl.families.gaussian.FullGaussian.from_moments(ref.mean(0), np.cov(ref.T))
+        pvi = Path(args.load_starts or "") / f"pvi_seed{seed}.pkl"
+        local = None
+        if args.load_starts and pvi.exists():
+            with open(pvi, "rb") as f:
+                local = pickle.load(f)[1]
+        return _carrying(clients, seed, q, local), 0.0
     saved = Path(args.load_starts) / f"{name}_seed{seed}.pkl" if args.load_starts else None
     if saved is not None and saved.exists():
         with open(saved, "rb") as f:
@@ -129,7 +155,16 @@ def _moments(mean, cov) -> dict:
     return {"mean": np.asarray(mean).tolist(), "sd": np.sqrt(np.diag(np.asarray(cov))).tolist()}
 
 
-def sample(res, clients, seed: int, ref_mean, ref_sd, args) -> dict:
+def at_draws(state, draws: np.ndarray):
+    """The sampler's first state with its particles at ``draws`` and its temperature 1."""
+    theta = jax.numpy.asarray(draws, state.server.theta.dtype)
+    centre, chol = fit(theta)
+    return state._replace(server=state.server._replace(
+        theta=theta, proposal=theta, beta=jax.numpy.ones_like(state.server.beta),
+        centre=centre, chol=chol))
+
+
+def sample(res, clients, seed: int, ref_mean, ref_sd, args, draws=None) -> dict:
     """``refine`` with the sampler's defaults, round by round: every round's row, and the
     final particles' errors beside the sampler's own Monte Carlo error (final: where the
     stopping rule fired, if it did; ``last``: the per-coordinate moments after the last round)."""
@@ -146,6 +181,8 @@ def sample(res, clients, seed: int, ref_mean, ref_sd, args) -> dict:
     smc = fedppl.SMC(eh.model, res.guide, res.q, local=res.local, **settings)
     rule = smc._tol_rule(None)
     state = smc.init(jax.random.key(100 + seed), clients, n_groups=eh.n_groups())
+    if draws is not None:
+        state = at_draws(state, draws)
     rows, done_at = [], None
     K = clients.num_clients
     for _ in range(args.rounds):
@@ -197,7 +234,9 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--seeds", type=int, default=1)
     ap.add_argument("--first-seed", type=int, default=0)
-    ap.add_argument("--starts", default="pvi", help="comma-separated: pvi, ep, prior")
+    ap.add_argument("--starts", default="pvi",
+                    help="comma-separated: pvi, ep, prior; diagnostics: nuts (pooled NUTS's "
+                         "Gaussian), draws (another NUTS run's draws, temperature 1)")
     ap.add_argument("--rounds", type=int, default=50, help="the sampler's rounds at most")
     ap.add_argument("--pvi-rounds", type=int, default=20)
     ap.add_argument("--ep-rounds", type=int, default=8)
@@ -257,7 +296,14 @@ def main() -> None:
                "reference": {"mean": ref_mean.tolist(), "sd": ref_sd.tolist()}, "starts": {}}
         results["seeds"].append(run)
         for name in args.starts.split(","):
-            res, seconds = start_result(name, clients, seed, args)
+            draws = None
+            if name == "draws":  # a second pooled NUTS run: its draws are the particles
+                other = eh.pooled_nuts(pooled, guide, seed + 1000, args.ref_samples,
+                                       args.ref_warmup)
+                rng = np.random.default_rng(seed)
+                draws = other[rng.choice(len(other), args.particles, replace=False)]
+            res, seconds = start_result(name, clients, seed, args,
+                                        ref if draws is None else draws)
             if args.save_starts:  # the start's q and local guides, to run the sampler again
                 Path(args.save_starts).mkdir(parents=True, exist_ok=True)
                 with open(Path(args.save_starts) / f"{name}_seed{seed}.pkl", "wb") as f:
@@ -266,7 +312,7 @@ def main() -> None:
             me, se = errors(*moments, ref_mean, ref_sd)
             print(f"seed {seed}, from {name} ({seconds:.0f} s): errors {me:.3f} / {se:.3f}",
                   flush=True)
-            out = sample(res, clients, seed, ref_mean, ref_sd, args)
+            out = sample(res, clients, seed, ref_mean, ref_sd, args, draws)
             out["start"] = {"seconds": seconds, "mean_err": me, "sd_err": se,
                             **_moments(*moments)}
             run["starts"][name] = out
