@@ -115,6 +115,15 @@ def _carrying(clients, seed: int, q, local):
     return res
 
 
+def _saved(name: str, seed: int, args):
+    """A start's ``(q, local guides, seconds)`` saved in ``--load-starts``, or None."""
+    path = Path(args.load_starts) / f"{name}_seed{seed}.pkl" if args.load_starts else None
+    if path is None or not path.exists():
+        return None
+    with open(path, "rb") as f:
+        return pickle.load(f)
+
+
 def start_result(name: str, clients, seed: int, args, ref=None):
     """The federated answer the sampler starts from, and the seconds it took (from
     ``--load-starts`` when a saved one is there). ``nuts`` is a diagnostic, not a federated
@@ -125,16 +134,11 @@ def start_result(name: str, clients, seed: int, args, ref=None):
     round (no tempering), so that only the moves act."""
     if name in ("nuts", "draws"):
         q = fedppl.families.gaussian.FullGaussian.from_moments(ref.mean(0), np.cov(ref.T))
-        pvi = Path(args.load_starts or "") / f"pvi_seed{seed}.pkl"
-        local = None
-        if args.load_starts and pvi.exists():
-            with open(pvi, "rb") as f:
-                local = pickle.load(f)[1]
-        return _carrying(clients, seed, q, local), 0.0
-    saved = Path(args.load_starts) / f"{name}_seed{seed}.pkl" if args.load_starts else None
-    if saved is not None and saved.exists():
-        with open(saved, "rb") as f:
-            q, local, seconds = pickle.load(f)
+        pvi = _saved("pvi", seed, args)
+        return _carrying(clients, seed, q, None if pvi is None else pvi[1]), 0.0
+    saved = _saved(name, seed, args)
+    if saved is not None:
+        q, local, seconds = saved
         return _carrying(clients, seed, q, local), seconds
     guide = fedppl.PVIGuide(eh.model, eh.GLOBAL, family="fullrank")
     t0 = time.perf_counter()
