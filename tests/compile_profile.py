@@ -26,14 +26,11 @@ COLUMNS = ("wall", "cpu", "child_cpu", "trace", "lower", "xla", "programs")
 
 _seconds: collections.Counter = collections.Counter()
 _rows: list[dict] = []
+_process = {"name": "main"}
 
 
 def _out() -> Path:
     return Path(os.environ.get("FEDPPL_PROFILE_DIR", ".pytest_profile"))
-
-
-def _worker() -> str:
-    return os.environ.get("PYTEST_XDIST_WORKER", "main")
 
 
 def _on_event(event: str, seconds: float, **_) -> None:
@@ -53,6 +50,9 @@ def pytest_configure(config):
     import jax.monitoring
 
     jax.monitoring.register_event_duration_secs_listener(_on_event)
+    # this process's name: an xdist worker's id, else "main" (read from the run's own
+    # configuration, not the environment, which a run started inside a worker inherits)
+    _process["name"] = getattr(config, "workerinput", {}).get("workerid", "main")
     if not hasattr(config, "workerinput"):  # the controller (or a run without workers)
         _out().mkdir(exist_ok=True)
         for old in _out().glob("profile_*.json"):
@@ -71,7 +71,7 @@ def pytest_runtest_protocol(item, nextitem):
 
 def pytest_sessionfinish(session):
     if _rows:
-        (_out() / f"profile_{_worker()}.json").write_text(json.dumps(_rows))
+        (_out() / f"profile_{_process['name']}.json").write_text(json.dumps(_rows))
 
 
 def by_file(rows: list[dict]) -> dict[str, dict[str, float]]:

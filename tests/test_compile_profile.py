@@ -22,8 +22,10 @@ def test_rows_and_summary(tmp_path):
         "def test_does_not():\n"
         "    assert sum(range(4)) == 6\n")
     out = tmp_path / "profile"
-    env = {**os.environ, "FEDPPL_PROFILE_DIR": str(out),
-           "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}
+    # a run of its own even inside an xdist worker (whose variables it would inherit)
+    env = {k: v for k, v in os.environ.items() if not k.startswith("PYTEST_")}
+    env |= {"FEDPPL_PROFILE_DIR": str(out),
+            "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}
     run = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider",
                           "-p", "tests.compile_profile", "test_small.py"], cwd=tmp_path,
                          env=env, capture_output=True, text=True, timeout=300)
