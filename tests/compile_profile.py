@@ -26,7 +26,6 @@ COLUMNS = ("wall", "cpu", "child_cpu", "trace", "lower", "xla", "programs")
 
 _seconds: collections.Counter = collections.Counter()
 _rows: list[dict] = []
-_process = {"name": "main"}
 
 
 def _out() -> Path:
@@ -40,6 +39,12 @@ def _on_event(event: str, seconds: float, **_) -> None:
             _seconds["programs"] += 1
 
 
+def _name(config) -> str:
+    """This process's name: an xdist worker's id, else "main" (read from the run's own
+    configuration, not the environment, which a run started inside a worker inherits)."""
+    return getattr(config, "workerinput", {}).get("workerid", "main")
+
+
 def _cpu() -> tuple[float, float]:
     own, children = (resource.getrusage(w) for w in (resource.RUSAGE_SELF,
                                                      resource.RUSAGE_CHILDREN))
@@ -50,10 +55,7 @@ def pytest_configure(config):
     import jax.monitoring
 
     jax.monitoring.register_event_duration_secs_listener(_on_event)
-    # this process's name: an xdist worker's id, else "main" (read from the run's own
-    # configuration, not the environment, which a run started inside a worker inherits)
-    _process["name"] = getattr(config, "workerinput", {}).get("workerid", "main")
-    if not hasattr(config, "workerinput"):  # the controller (or a run without workers)
+    if _name(config) == "main":  # the controller (or a run without workers)
         _out().mkdir(exist_ok=True)
         for old in _out().glob("profile_*.json"):
             old.unlink()
@@ -71,7 +73,7 @@ def pytest_runtest_protocol(item, nextitem):
 
 def pytest_sessionfinish(session):
     if _rows:
-        (_out() / f"profile_{_process['name']}.json").write_text(json.dumps(_rows))
+        (_out() / f"profile_{_name(session.config)}.json").write_text(json.dumps(_rows))
 
 
 def by_file(rows: list[dict]) -> dict[str, dict[str, float]]:
@@ -83,7 +85,7 @@ def by_file(rows: list[dict]) -> dict[str, dict[str, float]]:
 
 
 def pytest_terminal_summary(terminalreporter, config):
-    if hasattr(config, "workerinput"):
+    if _name(config) != "main":
         return
     rows = [r for f in sorted(_out().glob("profile_*.json")) for r in json.loads(f.read_text())]
     if not rows:
